@@ -1,0 +1,167 @@
+"""The host process: resident memory, its peak, and glibc's free-list trimming.
+
+- ``reserved`` is the process's resident set size (RSS);
+- ``allocated`` is what glibc's malloc has handed out and not yet freed (``mallinfo2``), which
+  is where torch and TensorFlow CPU tensors live; without glibc it equals the RSS;
+- ``peak`` is the kernel's high-water mark of the RSS (``VmHWM``), reset by writing ``5`` to
+  ``/proc/self/clear_refs``; where that is not allowed, the highest RSS memguard has read
+  since the last reset;
+- emptying the cache is glibc's ``malloc_trim(0)``: after ``del`` of many torch CPU tensors the
+  RSS stays up until it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+from .base import Backend, DeviceMemory, Reading
+
+HOST = "host"
+
+
+class _ProcFile:
+    """A ``/proc/self`` file kept open and read with ``pread``: ~2 us a read instead of ~13.
+
+    The descriptor is reopened after ``fork`` (an inherited one would read the parent).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.path = "/proc/self/" + name
+        self.fd: Optional[int] = None
+        self.pid = -1
+
+    def read(self) -> bytes:
+        pid = os.getpid()
+        if self.fd is None or self.pid != pid:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self.pid = pid
+        return os.pread(self.fd, 4096, 0)
+
+
+class HostBackend(Backend):
+    """Memory of this process on the host (always active)."""
+
+    name = "host"
+    hold_tolerance = 4 << 20
+    reserve_tolerance = 16 << 20
+    level_field = 1
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._linux = sys.platform.startswith("linux") and os.path.exists("/proc/self/statm")
+        self._statm = _ProcFile("statm")
+        self._status = _ProcFile("status")
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._libc: Any = None
+        self._libc_loaded = False
+        self._mallinfo: Optional[Callable[[], Any]] = None
+        self._clear_refs_ok: Optional[bool] = None
+        self._sampled_peak = 0
+        self._psutil_proc: Any = None
+
+    # -- small readers -------------------------------------------------------------------
+    def _load_libc(self) -> None:
+        if self._libc_loaded:
+            return
+        self._libc_loaded = True
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.restype = ctypes.c_int
+            self._libc = libc
+        except (OSError, AttributeError):
+            return
+        try:
+            fields = ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                      "keepcost").split()
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(f, ctypes.c_size_t) for f in fields]
+
+            mallinfo2 = libc.mallinfo2  # glibc >= 2.33
+            mallinfo2.restype = MallInfo2
+            self._mallinfo = mallinfo2
+        except AttributeError:
+            self._mallinfo = None
+
+    def _process(self) -> Any:
+        if self._psutil_proc is None:
+            import psutil
+
+            self._psutil_proc = psutil.Process()
+        return self._psutil_proc
+
+    def rss(self) -> int:
+        """The resident set size of this process, in bytes."""
+        if self._linux:
+            rss = int(self._statm.read().split()[1]) * self._page
+        else:
+            rss = int(self._process().memory_info().rss)
+        if rss > self._sampled_peak:
+            self._sampled_peak = rss
+        return rss
+
+    def malloc_in_use(self) -> Optional[int]:
+        """Bytes malloc has handed out (glibc's ``mallinfo2``), or ``None`` without glibc."""
+        self._load_libc()
+        if self._mallinfo is None:
+            return None
+        info = self._mallinfo()
+        return int(info.uordblks + info.hblkhd)
+
+    def _vm_hwm(self) -> Optional[int]:
+        if not self._linux:
+            return None
+        for line in self._status.read().splitlines():
+            if line.startswith(b"VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return None
+
+    # -- Backend -------------------------------------------------------------------------
+    def devices(self) -> list[str]:
+        return [HOST]
+
+    def owns(self, device: str) -> bool:
+        return device == HOST
+
+    def read_fast(self, device: str = HOST) -> Reading:
+        rss = self.rss()
+        used = self.malloc_in_use()
+        return (rss if used is None else used), rss
+
+    def read_peak(self, device: str = HOST) -> Optional[int]:
+        rss = self.rss()
+        if self._clear_refs_ok is False:
+            return max(self._sampled_peak, rss)
+        hwm = self._vm_hwm()
+        return max(self._sampled_peak, rss) if hwm is None else max(hwm, rss)
+
+    def read(self, device: str = HOST) -> DeviceMemory:
+        allocated, rss = self.read_fast()
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return DeviceMemory(HOST, allocated=allocated, reserved=rss, peak=self.read_peak(),
+                            free=int(vm.available), total=int(vm.total))
+
+    def reset_peak(self, device: str = HOST) -> bool:
+        with self._lock:
+            self._sampled_peak = self.rss()
+            if self._clear_refs_ok is not False and self._linux:
+                try:
+                    with open("/proc/self/clear_refs", "w") as f:
+                        f.write("5")
+                    self._clear_refs_ok = True
+                except OSError:
+                    self._clear_refs_ok = False
+        return bool(self._clear_refs_ok)
+
+    def empty_cache(self) -> None:
+        self._load_libc()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)

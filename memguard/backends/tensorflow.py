@@ -1,0 +1,94 @@
+"""TensorFlow GPUs, through ``tf.config.experimental.get_memory_info``.
+
+TensorFlow's allocator never hands GPU memory back to the driver inside a process: emptying
+its cache is impossible, and freed tensors only return to TensorFlow's own pool. Devices are
+listed only once TensorFlow has initialised its runtime (listing them earlier would initialise
+it and claim the GPU). CPU tensors live in the host process and are measured by the host
+backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+from .base import Backend, DeviceMemory, Reading
+
+log = logging.getLogger("memguard")
+
+NO_RELEASE = ("TensorFlow keeps the GPU memory it reserved until the process ends; "
+              "freed tensors go back to its own pool, not to the driver")
+
+
+def _tf() -> Any:
+    import tensorflow as tf
+
+    return tf
+
+
+def _runtime_started() -> bool:
+    try:
+        from tensorflow.python.eager import context
+
+        return bool(context.context()._initialized)  # noqa: SLF001 - no public way to ask
+    except (ImportError, AttributeError):
+        return True
+
+
+class TensorFlowBackend(Backend):
+    """Memory of TensorFlow's GPUs (``GPU:0``, ...)."""
+
+    name = "tensorflow"
+    hold_tolerance = 1 << 20
+    reserve_tolerance = 64 << 20
+
+    def devices(self) -> list[str]:
+        if not _runtime_started():
+            return []
+        return [d.name.replace("/device:", "") for d in _tf().config.list_logical_devices("GPU")]
+
+    def owns(self, device: str) -> bool:
+        return device.upper().startswith("GPU")
+
+    def read_fast(self, device: str) -> Reading:
+        info = self._info(device)
+        return (None, None) if info is None else (int(info["current"]), None)
+
+    def _info(self, device: str) -> Optional[dict[str, int]]:
+        try:
+            return _tf().config.experimental.get_memory_info(device)
+        except (ValueError, RuntimeError):
+            return None
+
+    def read_peak(self, device: str) -> Optional[int]:
+        info = self._info(device)
+        return None if info is None else int(info["peak"])
+
+    def read(self, device: str) -> DeviceMemory:
+        info = self._info(device)
+        if info is None:
+            return DeviceMemory(device)
+        return DeviceMemory(device, allocated=int(info["current"]), peak=int(info["peak"]))
+
+    def reset_peak(self, device: str) -> bool:
+        try:
+            _tf().config.experimental.reset_memory_stats(device)
+            return True
+        except (ValueError, RuntimeError):
+            return False
+
+    def empty_cache(self) -> None:
+        if self.devices():
+            log.debug("free_memory: %s", NO_RELEASE)
+
+
+def clear_keras_session() -> bool:
+    """``keras.backend.clear_session()`` for whichever Keras is imported; False if none."""
+    keras = sys.modules.get("keras")
+    if keras is None and "tensorflow" in sys.modules:
+        keras = _tf().keras
+    if keras is None:
+        return False
+    keras.backend.clear_session()
+    return True

@@ -1,0 +1,193 @@
+"""PyTorch devices: CUDA (and ROCm, which torch exposes as ``cuda``), MPS and XPU.
+
+``torch.accelerator``'s memory API (torch 2.9+) is preferred where it serves the device's type;
+``torch.cuda`` / ``torch.xpu`` / ``torch.mps`` otherwise. A device type is read only once the
+process has initialised it itself: looking never initialises CUDA or XPU.
+CPU tensors live in the host process and are measured by the host backend.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Optional
+
+from .base import Backend, DeviceMemory, Reading
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _split(device: str) -> tuple[str, int]:
+    kind, _, index = device.partition(":")
+    return kind, int(index) if index else 0
+
+
+class TorchBackend(Backend):
+    """Memory of torch's accelerators that this process has initialised."""
+
+    name = "torch"
+    hold_tolerance = 1 << 20
+    reserve_tolerance = 64 << 20
+
+    # -- which devices ---------------------------------------------------------------------
+    def _initialised_types(self) -> list[str]:
+        torch = _torch()
+        kinds = []
+        if torch.cuda.is_initialized():
+            kinds.append("cuda")
+        xpu = getattr(torch, "xpu", None)
+        if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
+            kinds.append("xpu")
+        mps = getattr(getattr(torch, "backends", None), "mps", None)
+        if mps is not None and mps.is_available():
+            kinds.append("mps")
+        return kinds
+
+    def devices(self) -> list[str]:
+        torch = _torch()
+        names = []
+        for kind in self._initialised_types():
+            if kind == "mps":
+                names.append("mps")
+            else:
+                names.extend(f"{kind}:{i}" for i in range(getattr(torch, kind).device_count()))
+        return names
+
+    def owns(self, device: str) -> bool:
+        return device.partition(":")[0] in ("cuda", "xpu", "mps")
+
+    def normalise(self, device: str) -> str:
+        """``"cuda"`` -> ``"cuda:N"`` with N the current device once CUDA is initialised."""
+        kind, _, index = device.partition(":")
+        if kind == "mps" or index:
+            return device
+        module = getattr(_torch(), kind, None)
+        if module is not None and getattr(module, "is_initialized", lambda: False)():
+            return f"{kind}:{module.current_device()}"
+        return f"{kind}:0"
+
+    def _accelerator(self, kind: str) -> Any:
+        """``torch.accelerator`` when it has the memory API and serves ``kind``."""
+        acc = getattr(_torch(), "accelerator", None)
+        if acc is None or not hasattr(acc, "memory_allocated"):
+            return None
+        try:
+            current = acc.current_accelerator()
+        except Exception:  # noqa: BLE001 - a build without the accelerator raises
+            return None
+        return acc if current is not None and current.type == kind else None
+
+    def _ready(self, kind: str) -> bool:
+        return kind in self._initialised_types()
+
+    # -- reading -----------------------------------------------------------------------------
+    def read_fast(self, device: str) -> Reading:
+        kind, index = _split(device)
+        if not self._ready(kind):
+            return None, None
+        torch = _torch()
+        if kind == "mps":
+            return (int(torch.mps.current_allocated_memory()),
+                    int(torch.mps.driver_allocated_memory()))
+        api = self._accelerator(kind) or getattr(torch, kind)
+        return int(api.memory_allocated(index)), int(api.memory_reserved(index))
+
+    def read_peak(self, device: str) -> Optional[int]:
+        kind, index = _split(device)
+        if kind == "mps" or not self._ready(kind):
+            return None
+        api = self._accelerator(kind) or getattr(_torch(), kind)
+        return int(api.max_memory_allocated(index))
+
+    def _free_total(self, kind: str, index: int) -> tuple[Optional[int], Optional[int]]:
+        torch = _torch()
+        try:
+            acc = self._accelerator(kind)
+            if acc is not None and hasattr(acc, "get_memory_info"):
+                free, total = acc.get_memory_info(index)
+            elif kind == "mps":
+                total = getattr(torch.mps, "recommended_max_memory", lambda: None)()
+                return None, (None if total is None else int(total))
+            else:
+                free, total = getattr(torch, kind).mem_get_info(index)
+            return int(free), int(total)
+        except (RuntimeError, AttributeError):
+            return None, None
+
+    def read(self, device: str) -> DeviceMemory:
+        kind, index = _split(device)
+        if not self._ready(kind):
+            return DeviceMemory(device)
+        allocated, reserved = self.read_fast(device)
+        free, total = self._free_total(kind, index)
+        return DeviceMemory(device, allocated=allocated, reserved=reserved,
+                            peak=self.read_peak(device), free=free, total=total)
+
+    def reset_peak(self, device: str) -> bool:
+        kind, index = _split(device)
+        if kind == "mps" or not self._ready(kind):
+            return False
+        api = self._accelerator(kind) or getattr(_torch(), kind)
+        api.reset_peak_memory_stats(index)
+        return True
+
+    def empty_cache(self) -> None:
+        torch = _torch()
+        for kind in self._initialised_types():
+            getattr(torch, kind).empty_cache()
+            if kind == "cuda":
+                torch.cuda.ipc_collect()
+
+
+# -- inference --------------------------------------------------------------------------------
+def is_module(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.nn.Module`` (False when torch was never imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+class InferenceState:
+    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back."""
+
+    def __init__(self, context: Any, flags: list[tuple[Any, bool]]) -> None:
+        self.context = context
+        self.flags = flags
+
+
+def enter_inference(models: Iterable[Any]) -> Optional[InferenceState]:
+    """Enter ``torch.inference_mode()`` and put every module in eval mode.
+
+    Returns ``None`` when torch is not imported and no model was given.
+    """
+    models = list(models)
+    if "torch" not in sys.modules and not models:
+        return None
+    torch = _torch()
+    flags = [(m, m.training) for model in models for m in model.modules()]
+    for model in models:
+        model.eval()
+    context = torch.inference_mode()
+    try:
+        context.__enter__()
+    except BaseException:
+        _restore(flags)
+        raise
+    return InferenceState(context, flags)
+
+
+def _restore(flags: list[tuple[Any, bool]]) -> None:
+    for module, training in flags:
+        module.training = training
+
+
+def exit_inference(state: Optional[InferenceState]) -> None:
+    """Leave inference mode and restore every submodule's ``training`` flag."""
+    if state is None:
+        return
+    try:
+        state.context.__exit__(None, None, None)
+    finally:
+        _restore(state.flags)

@@ -1,0 +1,201 @@
+"""Freeing memory: garbage collection plus the allocators' caches, and when to bother.
+
+A full ``gc.collect()`` costs ~100 ms once torch is imported while a memory reading costs a few
+microseconds, so the ``"auto"`` policy reads first and acts only on what it sees:
+
+1. some device's ``allocated`` grew past its backend's ``hold_tolerance`` since entry: collect
+   the young generations (cheap; a cycle made by the block is young), then, if memory is still
+   held, a full collection;
+2. some device's ``reserved`` is above its entry level by more than ``reserve_tolerance``: empty
+   that backend's cache (``empty_cache`` on GPUs, ``malloc_trim`` on the host); if it is still
+   above (memory outside the allocators, such as Python objects), collect as in 1.
+
+``"always"`` is the common recipe: a full collection and every cache emptied, every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import Iterable, Literal
+
+from .backends import Backend, Reading, active_backends, resolve_devices
+from .backends.tensorflow import clear_keras_session
+
+log = logging.getLogger("memguard")
+
+Policy = Literal["auto", "always"]
+POLICIES = ("auto", "always")
+Readings = dict[str, Reading]
+Pairs = list[tuple[Backend, str]]
+
+
+def read_all(pairs: Pairs) -> Readings:
+    """Fast ``(allocated, reserved)`` readings of every ``(backend, device)`` pair."""
+    out: Readings = {}
+    for backend, device in pairs:
+        try:
+            out[device] = backend.read_fast(device)
+        except Exception as exc:  # noqa: BLE001 - never let a reading break the program
+            log.warning("memguard: cannot read %s: %s", device, exc)
+            out[device] = (None, None)
+    return out
+
+
+def _growth(now: Readings, entry: Readings, field: int, device: str) -> int:
+    a, b = now.get(device, (None, None))[field], entry.get(device, (None, None))[field]
+    return 0 if a is None or b is None else a - b
+
+
+def released(before: Readings, after: Readings) -> int:
+    """Bytes of ``reserved`` memory given back between two readings (>= 0)."""
+    return sum(max(0, -_growth(after, before, 1, d)) for d in after if d in before)
+
+
+def empty_caches(backends: Iterable[Backend]) -> None:
+    """Empty the cache of each backend (the host's ``malloc_trim`` last)."""
+    ordered = sorted(set(backends), key=lambda b: b.name == "host")
+    for backend in ordered:
+        try:
+            backend.empty_cache()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("memguard: emptying the %s cache failed: %s", backend.name, exc)
+
+
+def free_memory(keras: bool = False) -> int:
+    """Free every byte that can be freed now; return the bytes given back.
+
+    Runs a full ``gc.collect()``, then empties the cache of every active backend (torch's
+    ``empty_cache`` and ``ipc_collect``), then glibc's ``malloc_trim(0)`` for the host. The
+    result is the drop of ``reserved`` memory (the resident set on the host) summed over
+    devices. TensorFlow cannot give GPU memory back to the driver within a process; with
+    ``keras=True`` the Keras session is cleared first (global: every model built so far is
+    forgotten by Keras).
+
+    >>> import memguard
+    >>> memguard.free_memory() >= 0
+    True
+    """
+    pairs = resolve_devices(None)
+    before = read_all(pairs)
+    if keras:
+        clear_keras_session()
+    gc.collect()
+    empty_caches(active_backends())
+    freed = released(before, read_all(pairs))
+    log.debug("free_memory released %d bytes", freed)
+    return freed
+
+
+class _Backoff:
+    """Skips an action after it proved useless: 1, 3, 7 ... up to 63 windows."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.wait = 0
+
+    def ready(self) -> bool:
+        if self.wait:
+            self.wait -= 1
+            return False
+        return True
+
+    def useless(self) -> None:
+        self.level = min(self.level + 1, 6)
+        self.wait = 2**self.level - 1
+
+    def useful(self) -> None:
+        self.level = 0
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one cleanup did: bytes released, whether it collected, readings afterwards."""
+
+    freed: int
+    collected: bool
+    after: Readings
+
+
+class Settler:
+    """Applies a cleanup policy at the end of a guarded block, given the entry readings.
+
+    One ``Settler`` serves one scope, or every call of one ``@frees_memory`` function; with
+    ``adaptive=True`` it stops repeating a collection or a cache emptying that keeps proving
+    useless (memory that is really in use, a cache the next call fills again), retrying it
+    after 1, 3, 7 ... 63 calls.
+    """
+
+    def __init__(self, policy: Policy = "auto", adaptive: bool = False) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be 'auto' or 'always', got {policy!r}")
+        self.policy = policy
+        self.adaptive = adaptive
+        self._gc = _Backoff()
+        self._cache = _Backoff()
+        self._cache_last = False
+
+    def settle(self, pairs: Pairs, entry: Readings) -> Outcome:
+        """Clean up after a block that began with ``entry`` readings."""
+        now = read_all(pairs)
+        if self.policy == "always":
+            gc.collect()
+            empty_caches(b for b, _ in pairs)
+            after = read_all(pairs)
+            return Outcome(released(now, after), True, after)
+        start, collected = now, False
+        held = self._held(pairs, now, entry)
+        if held and self._gc_ready():
+            now = self._collect(pairs, held, entry)
+            collected = True
+        swollen = self._swollen(pairs, now, entry)
+        if swollen and (collected or self._cache_ready(swollen)):
+            empty_caches(swollen)
+            now = read_all(pairs)
+            if not collected and self._swollen(pairs, now, entry) and self._gc_ready():
+                now = self._collect(pairs, [d for b, d in pairs if b in swollen], entry)
+                empty_caches(swollen)
+                now = read_all(pairs)
+                collected = True
+        elif not swollen:
+            self._cache_last = False
+        return Outcome(released(start, now), collected, now)
+
+    # -- pieces ------------------------------------------------------------------------------
+    @staticmethod
+    def _held(pairs: Pairs, now: Readings, entry: Readings) -> list[str]:
+        return [d for b, d in pairs if _growth(now, entry, 0, d) > b.hold_tolerance]
+
+    @staticmethod
+    def _swollen(pairs: Pairs, now: Readings, entry: Readings) -> list[Backend]:
+        return list({b: None for b, d in pairs if _growth(now, entry, 1, d) > b.reserve_tolerance})
+
+    def _gc_ready(self) -> bool:
+        return not self.adaptive or self._gc.ready()
+
+    def _cache_ready(self, swollen: list[Backend]) -> bool:
+        if not self.adaptive:
+            return True
+        if not self._cache.ready():
+            return False
+        if self._cache_last:
+            self._cache.useless()  # the previous call's emptying was refilled at once
+        else:
+            self._cache.useful()
+        self._cache_last = True
+        return True
+
+    def _collect(self, pairs: Pairs, held: list[str], entry: Readings) -> Readings:
+        gc.collect(1)
+        now = read_all(pairs)
+        still = [d for d in self._held(pairs, now, entry) if d in held]
+        if still:
+            gc.collect()
+            now = read_all(pairs)
+            still = [d for d in self._held(pairs, now, entry) if d in held]
+        if self.adaptive:
+            (self._gc.useless if still else self._gc.useful)()
+        log.debug("memguard collected garbage; still held on %s", still or "no device")
+        return now
+

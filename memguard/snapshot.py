@@ -1,0 +1,93 @@
+"""Point-in-time memory snapshots of every watched device, and their differences."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+from typing import Any, Iterator, Mapping, Optional
+
+from ._units import format_bytes
+from .backends import DeviceMemory, Devices, resolve_devices
+
+_FIELDS = ("allocated", "reserved", "peak", "free", "total")
+
+
+def _sub(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return None if a is None or b is None else a - b
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySnapshot:
+    """Memory of several devices at one moment (or, with ``delta=True``, a difference).
+
+    ``devices`` maps each device name to its :class:`DeviceMemory`; ``time`` is
+    ``time.time()`` when it was taken. ``snap["host"]`` reads one device, ``later - earlier``
+    gives a delta of the same shape (devices present in both), and ``str(snap)`` an aligned
+    table.
+
+    >>> import memguard
+    >>> before = memguard.snapshot()
+    >>> after = memguard.snapshot()
+    >>> print(after - before)  # doctest: +SKIP
+    device  allocated   reserved  peak  free  total
+    host      +1.2 MiB  +1.3 MiB     -     -      -
+    """
+
+    devices: Mapping[str, DeviceMemory]
+    time: float
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", types.MappingProxyType(dict(self.devices)))
+
+    def __getitem__(self, device: str) -> DeviceMemory:
+        try:
+            return self.devices[device]
+        except KeyError:
+            raise KeyError(f"no device {device!r} in this snapshot; it has "
+                           f"{', '.join(self.devices) or 'none'}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __sub__(self, other: "MemorySnapshot") -> "MemorySnapshot":
+        if not isinstance(other, MemorySnapshot):
+            return NotImplemented
+        devices = {
+            name: DeviceMemory(name, **{f: _sub(getattr(mem, f), getattr(other[name], f))
+                                        for f in _FIELDS})
+            for name, mem in self.devices.items() if name in other.devices
+        }
+        return MemorySnapshot(devices, self.time - other.time, delta=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"time": ..., "delta": ..., "devices": {name: {field: bytes}}}``, JSON-ready."""
+        return {"time": self.time, "delta": self.delta,
+                "devices": {name: mem.to_dict() for name, mem in self.devices.items()}}
+
+    def __str__(self) -> str:
+        rows = [("device",) + _FIELDS]
+        rows += [(name,) + tuple(format_bytes(getattr(mem, f), signed=self.delta) for f in _FIELDS)
+                 for name, mem in self.devices.items()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows
+        )
+
+
+def snapshot(devices: Devices = None) -> MemorySnapshot:
+    """Read the memory of ``devices`` (a name, a list of names, or every active device).
+
+    >>> import memguard
+    >>> snap = memguard.snapshot()
+    >>> snap["host"].reserved > 0
+    True
+    """
+    when = time.time()
+    return MemorySnapshot({d: b.read(d) for b, d in resolve_devices(devices)}, when)

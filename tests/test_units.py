@@ -1,0 +1,54 @@
+import pytest
+
+import memguard
+from memguard._units import format_bytes, parse_optional_size, parse_size
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1.5GiB", 3 * 2**29), ("64KiB", 65536),
+    ("64kb", 64000), ("10", 10), ("10B", 10), (" 2 gib ", 2 * 2**30), ("3M", 3 * 2**20),
+    ("1TiB", 2**40), (".5KiB", 512), (4096, 4096), (0, 0),
+])
+def test_parse_size_accepts_ints_and_unit_strings(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "1.2.3GB", "-5MiB", "5 MiB extra"])
+def test_bad_size_strings_are_quoted_in_the_error(text):
+    with pytest.raises(ValueError) as info:
+        parse_size(text, "max_leak")
+    assert repr(text) in str(info.value) and "max_leak" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [1.5, None, True, [1]])
+def test_size_of_the_wrong_type_is_a_type_error(value):
+    with pytest.raises(TypeError, match="int .bytes. or a string"):
+        parse_size(value)
+
+
+def test_negative_int_is_refused():
+    with pytest.raises(ValueError, match="-1"):
+        parse_size(-1)
+
+
+def test_optional_size_passes_none_through():
+    assert parse_optional_size(None, "x") is None
+    assert parse_optional_size("1KiB", "x") == 1024
+
+
+@pytest.mark.parametrize("n, text", [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (40 * 2**20, "40.0 MiB"),
+    (int(1.5 * 2**30), "1.5 GiB"), (-2048, "-2.0 KiB"), (None, "-"), (3 * 2**50, "3.0 PiB"),
+])
+def test_format_bytes_uses_binary_units(n, text):
+    assert format_bytes(n) == text
+
+
+def test_signed_format_marks_growth():
+    assert format_bytes(2048, signed=True) == "+2.0 KiB"
+    assert format_bytes(0, signed=True) == "0 B"
+
+
+def test_public_size_helpers_are_exported():
+    assert memguard.parse_size("1KiB") == 1024
+    assert memguard.format_bytes(1024) == "1.0 KiB"
