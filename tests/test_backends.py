@@ -1,0 +1,87 @@
+"""Backends against real memory: the host process, torch and TensorFlow as installed here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memguard
+from memguard.backends import activate, active_backends, host, list_devices, resolve_devices
+from memguard.backends.torch import TorchBackend
+
+MiB = 1 << 20
+
+
+def test_host_reads_follow_a_real_allocation():
+    before = host.read()
+    block = torch.ones(50 * MiB // 4)  # 50 MiB, touched
+    during = host.read()
+    del block
+    assert during.reserved - before.reserved > 45 * MiB
+    assert during.allocated - before.allocated > 45 * MiB  # malloc's own count sees it too
+    assert during.peak >= during.reserved
+    assert 0 < during.free <= during.total
+
+
+def test_host_peak_resets_to_the_current_level():
+    block = torch.ones(100 * MiB // 4)
+    del block
+    high = host.read_peak()
+    assert host.reset_peak() is True  # /proc/self/clear_refs is writable on this machine
+    low = host.read_peak()
+    assert high - low > 80 * MiB
+    assert abs(low - host.rss()) < 8 * MiB
+
+
+def test_free_memory_trims_what_glibc_keeps_after_del():
+    """The measured fact behind the host backend: RSS stays up after ``del`` until a trim."""
+    memguard.free_memory()
+    start = host.rss()
+    tensors = [torch.ones(25_000) for _ in range(4000)]  # 400 MB in 100 KB blocks
+    del tensors
+    kept = host.rss() - start
+    released = memguard.free_memory()
+    end = host.rss()
+    assert kept > 300 * MiB, "glibc kept the freed blocks resident"
+    assert end - start < 40 * MiB
+    assert released > 300 * MiB
+
+
+def test_torch_backend_on_a_cpu_build_lists_nothing_and_initialises_nothing():
+    backend = TorchBackend()
+    assert backend.devices() == [] or torch.cuda.is_available()
+    assert backend.read("cuda:0") == memguard.DeviceMemory("cuda:0") or torch.cuda.is_initialized()
+    assert torch.cuda.is_initialized() is False or torch.cuda.is_available()
+    assert backend.reset_peak("cuda:0") is torch.cuda.is_initialized()
+
+
+def test_active_backends_include_torch_once_imported():
+    assert [b.name for b in active_backends()][:2] == ["host", "torch"]
+    assert list_devices()[0] == "host"
+
+
+def test_activate_rejects_unknown_frameworks():
+    with pytest.raises(ValueError, match="'jax'.*tensorflow, torch"):
+        activate("jax")
+
+
+def test_unknown_device_names_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown device 'tpu:3'.*host"):
+        resolve_devices("tpu:3")
+    with pytest.raises(TypeError, match="device names"):
+        resolve_devices([0])
+
+
+def test_torch_device_names_resolve_without_initialising_cuda():
+    (backend, name), = resolve_devices("cuda")
+    assert backend.name == "torch" and name.startswith("cuda:")
+    assert torch.cuda.is_initialized() is False or torch.cuda.is_available()
+
+
+def test_device_memory_is_frozen_and_serialisable():
+    mem = memguard.DeviceMemory("host", allocated=1, reserved=2 * MiB)
+    with pytest.raises(AttributeError):
+        mem.allocated = 5  # type: ignore[misc]
+    assert mem.to_dict() == {"device": "host", "allocated": 1, "reserved": 2 * MiB, "peak": None,
+                             "free": None, "total": None}
+    assert str(mem) == "host: allocated 1 B, reserved 2.0 MiB"

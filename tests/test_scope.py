@@ -1,0 +1,249 @@
+"""memory_scope on real torch CPU tensors, measured through the host backend."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+
+import pytest
+import torch
+
+import memguard
+from memguard.backends import host
+
+MiB = 1 << 20
+
+
+def cyclic(mib: int) -> None:
+    """Leave ``mib`` MiB of tensor in a reference cycle that only the collector can free."""
+    holder: list = [torch.ones(mib * MiB // 4)]
+    holder.append(holder)
+
+
+class FullCollections:
+    """Counts full (generation 2) garbage collections while active."""
+
+    def __enter__(self):
+        self.count = 0
+        gc.callbacks.append(self._seen)
+        return self
+
+    def _seen(self, phase, info):
+        if phase == "start" and info["generation"] == 2:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._seen)
+
+
+@pytest.fixture(autouse=True)
+def settled():
+    memguard.free_memory()
+
+
+@pytest.mark.parametrize("policy", [True, "auto", "always"])
+def test_memory_in_a_reference_cycle_is_released_on_exit(policy):
+    gc.disable()  # the collector must not beat the scope to it
+    try:
+        with memguard.memory_scope(cleanup=policy) as scope:
+            cyclic(200)
+    finally:
+        gc.enable()
+    assert scope.retained["host"] < 20 * MiB
+    assert scope.freed > 180 * MiB
+    assert scope.peak["host"] - scope.before["host"].reserved > 180 * MiB
+
+
+def test_memory_still_referenced_is_reported_as_retained():
+    with memguard.memory_scope() as scope:
+        kept = torch.ones(200 * MiB // 4)
+    assert 180 * MiB < scope.retained["host"] < 220 * MiB
+    assert scope.freed < 20 * MiB
+    del kept
+
+
+def test_without_cleanup_the_cycle_stays():
+    gc.disable()
+    try:
+        with memguard.memory_scope(cleanup=False) as scope:
+            cyclic(200)
+        assert scope.retained["host"] > 180 * MiB and scope.freed == 0
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def test_glibc_cache_left_by_small_tensors_is_trimmed():
+    with memguard.memory_scope() as scope:
+        tensors = [torch.ones(25_000) for _ in range(4000)]  # 400 MB in 100 KB blocks
+        del tensors
+    assert scope.retained["host"] < 40 * MiB
+    assert scope.freed > 300 * MiB
+
+
+def test_auto_policy_does_not_collect_when_nothing_is_held():
+    with FullCollections() as seen:
+        for _ in range(20):
+            with memguard.memory_scope():
+                torch.ones(1000).sum()
+    assert seen.count == 0
+    with FullCollections() as seen:
+        with memguard.memory_scope(cleanup="always"):
+            pass
+    assert seen.count == 1
+
+
+def test_nested_scopes_keep_the_outer_peak():
+    with memguard.memory_scope("outer") as outer:
+        big = torch.ones(300 * MiB // 4)
+        del big
+        with memguard.memory_scope("inner") as inner:
+            small = torch.ones(50 * MiB // 4)
+            del small
+    base = outer.before["host"].reserved
+    assert outer.peak["host"] - base > 280 * MiB
+    assert 40 * MiB < inner.peak["host"] - inner.before["host"].reserved < 150 * MiB
+
+
+def test_peak_after_the_inner_scope_counts_for_the_outer_one():
+    with memguard.memory_scope() as outer:
+        with memguard.memory_scope():
+            pass
+        big = torch.ones(250 * MiB // 4)
+        del big
+    assert outer.peak["host"] - outer.before["host"].reserved > 230 * MiB
+
+
+def test_scopes_in_threads_each_see_their_own_peak():
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def work(name, mib, wait_first):
+        with memguard.memory_scope(name) as scope:
+            if wait_first:
+                barrier.wait()  # the other thread's scope opened (and reset the peak) first
+                block = torch.ones(mib * MiB // 4)
+                del block
+                barrier.wait()
+            else:
+                barrier.wait()
+                barrier.wait()
+        results[name] = scope
+
+    a = threading.Thread(target=work, args=("big", 300, True))
+    b = threading.Thread(target=work, args=("idle", 0, False))
+    a.start(), b.start()
+    a.join(), b.join()
+    big = results["big"]
+    assert big.peak["host"] - big.before["host"].reserved > 280 * MiB
+
+
+def test_body_exception_propagates_unchanged_and_cleanup_still_runs():
+    gc.disable()
+    error = ValueError("boom")
+    try:
+        with pytest.raises(ValueError) as info:
+            with memguard.memory_scope(max_leak="1KiB") as scope:
+                cyclic(200)
+                raise error
+    finally:
+        gc.enable()
+    assert info.value is error
+    assert info.traceback[-1].name == "test_body_exception_propagates_unchanged_and_cleanup_still_runs"
+    assert scope.after is not None and scope.freed > 180 * MiB
+
+
+def test_keyboard_interrupt_passes_through_after_cleanup():
+    with pytest.raises(KeyboardInterrupt):
+        with memguard.memory_scope() as scope:
+            raise KeyboardInterrupt
+    assert scope.after is not None and "host" in scope.retained
+
+
+def test_max_leak_raises_with_what_was_kept():
+    with pytest.raises(memguard.MemoryLeakError) as info:
+        with memguard.memory_scope("load", max_leak="64MiB"):
+            kept = torch.ones(200 * MiB // 4)
+    err = info.value
+    assert set(err.retained) == {"host"} and err.retained["host"] > 180 * MiB
+    assert err.limit == 64 * MiB
+    assert "memory_scope 'load' retained" in str(err) and "64.0 MiB" in str(err)
+    del kept
+
+
+def test_max_leak_is_quiet_when_nothing_leaks():
+    with memguard.memory_scope(max_leak=64 * MiB) as scope:
+        torch.ones(200 * MiB // 4).sum()
+    assert scope.retained["host"] < 64 * MiB
+
+
+def test_leak_is_logged_not_raised_when_the_body_raised(caplog):
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        with pytest.raises(RuntimeError, match="original"):
+            with memguard.memory_scope(max_leak="1MiB"):
+                kept = torch.ones(50 * MiB // 4)  # noqa: F841
+                raise RuntimeError("original")
+    assert "not raised: the block raised RuntimeError" in caplog.text
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="'12 apples'"):
+        memguard.memory_scope(max_leak="12 apples")
+    with pytest.raises(ValueError, match="cleanup must be"):
+        memguard.memory_scope(cleanup="sometimes")
+    with pytest.raises(TypeError, match="name must be a string"):
+        memguard.memory_scope(42)
+
+
+def test_a_scope_object_cannot_be_entered_twice_at_once():
+    scope = memguard.memory_scope()
+    with scope:
+        with pytest.raises(RuntimeError, match="already open"):
+            with scope:
+                pass
+
+
+def test_str_summarises_and_debug_log_repeats_it(caplog):
+    scope = memguard.memory_scope("step")
+    assert str(scope) == "memory_scope 'step' (not entered)"
+    with caplog.at_level(logging.DEBUG, logger="memguard"):
+        with scope:
+            pass
+    text = str(scope)
+    assert text.startswith("memory_scope 'step': host peak ") and "retained" in text
+    assert "freed" in text and text in caplog.text
+    data = scope.to_dict()
+    assert data["name"] == "step" and set(data["retained"]) == {"host"}
+
+
+def test_decorator_forms_measure_each_call():
+    calls = []
+
+    @memguard.memory_scope
+    def bare(n):
+        """Doc."""
+        calls.append(n)
+        return n * 2
+
+    @memguard.memory_scope("named", max_leak="64MiB")
+    def leaky():
+        calls.append("leaky")
+        return torch.ones(200 * MiB // 4)
+
+    assert bare(3) == 6 and bare.__name__ == "bare" and bare.__doc__ == "Doc."
+    for _ in range(2):  # a fresh scope per call, not "already open"
+        with pytest.raises(memguard.MemoryLeakError, match="named") as info:
+            leaky()
+        del info  # its traceback holds the tensor the call returned
+    assert calls == [3, "leaky", "leaky"]
+
+
+def test_devices_argument_limits_what_is_watched():
+    with memguard.memory_scope(devices="host") as scope:
+        pass
+    assert list(scope.peak) == ["host"] and list(scope.retained) == ["host"]
+    with pytest.raises(ValueError, match="unknown device"):
+        with memguard.memory_scope(devices=["nowhere"]):
+            pass
+    assert host.rss() > 0

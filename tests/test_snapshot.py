@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import memguard
+
+MiB = 1 << 20
+
+
+def test_snapshot_reads_every_active_device():
+    snap = memguard.snapshot()
+    assert list(snap.devices)[0] == "host"
+    host = snap["host"]
+    assert host.device == "host" and host.reserved > 0 and host.total > host.free > 0
+    assert snap.time > 0 and not snap.delta
+
+
+def test_difference_of_two_snapshots_measures_an_allocation():
+    before = memguard.snapshot("host")
+    block = torch.ones(64 * MiB // 4)
+    after = memguard.snapshot(["host"])
+    delta = after - before
+    assert delta.delta and list(delta) == ["host"]
+    assert 56 * MiB < delta["host"].reserved < 96 * MiB
+    assert delta.time >= 0
+    del block
+
+
+def test_to_dict_is_json_ready_and_complete():
+    data = json.loads(json.dumps(memguard.snapshot().to_dict()))
+    assert set(data) == {"time", "delta", "devices"}
+    assert set(data["devices"]["host"]) == {"device", "allocated", "reserved", "peak", "free",
+                                            "total"}
+
+
+def test_str_is_an_aligned_table_in_binary_units():
+    before = memguard.snapshot("host")
+    block = torch.ones(64 * MiB // 4)
+    after = memguard.snapshot("host")
+    del block
+    lines = str(after).splitlines()
+    assert lines[0].split() == ["device", "allocated", "reserved", "peak", "free", "total"]
+    assert lines[1].startswith("host") and "iB" in lines[1]
+    assert len(lines[0]) == len(lines[1])
+    delta_row = str(after - before).splitlines()[1].split()
+    assert delta_row[0] == "host" and delta_row[3].startswith("+") and delta_row[4] == "MiB"
+
+
+def test_missing_device_names_what_is_there():
+    with pytest.raises(KeyError, match="'cuda:7'.*host"):
+        memguard.snapshot()["cuda:7"]
+
+
+def test_snapshot_is_immutable():
+    snap = memguard.snapshot()
+    with pytest.raises(TypeError):
+        snap.devices["x"] = None  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        snap.time = 0  # type: ignore[misc]
