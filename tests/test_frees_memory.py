@@ -1,0 +1,271 @@
+"""@frees_memory on every kind of callable, with real torch CPU memory."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+
+import pytest
+import torch
+
+import memguard
+from memguard.backends import host
+
+from test_scope import FullCollections, cyclic
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_automatic_gc():
+    """Only memguard may collect: the cycles below stay until it does."""
+    memguard.free_memory()
+    gc.disable()
+    yield
+    gc.enable()
+    gc.collect()
+
+
+def test_cleans_after_each_call_of_a_plain_function():
+    @memguard.frees_memory
+    def step(mib):
+        cyclic(mib)
+        return "done"
+
+    start = host.rss()
+    for _ in range(5):
+        assert step(100) == "done"
+    assert host.rss() - start < 30 * MiB
+
+
+def test_without_it_the_cycles_pile_up():
+    def step(mib):
+        cyclic(mib)
+
+    start = host.rss()
+    for _ in range(3):
+        step(100)
+    assert host.rss() - start > 250 * MiB
+
+
+def test_cleans_after_a_call_that_raised_and_keeps_the_exception():
+    error = KeyError("x")
+
+    @memguard.frees_memory
+    def step():
+        cyclic(150)
+        raise error
+
+    start = host.rss()
+    with pytest.raises(KeyError) as info:
+        step()
+    assert info.value is error
+    del info
+    assert host.rss() - start < 30 * MiB
+
+
+def test_auto_policy_collects_only_when_memory_is_held():
+    @memguard.frees_memory
+    def light():
+        return torch.ones(100).sum()
+
+    with FullCollections() as seen:
+        for _ in range(50):
+            light()
+    assert seen.count == 0
+
+
+def test_always_policy_collects_every_call():
+    @memguard.frees_memory(policy="always")
+    def light():
+        return 1
+
+    with FullCollections() as seen:
+        for _ in range(3):
+            light()
+    assert seen.count == 3
+
+
+def test_every_n_calls():
+    @memguard.frees_memory(every=3, policy="always")
+    def light():
+        return 1
+
+    with FullCollections() as seen:
+        for _ in range(7):
+            light()
+    assert seen.count == 2
+
+
+def test_auto_policy_backs_off_when_collections_free_nothing():
+    kept = []
+
+    @memguard.frees_memory
+    def grows():
+        kept.append(torch.ones(8 * MiB // 4))  # really in use: nothing to collect
+
+    with FullCollections() as seen:
+        for _ in range(40):
+            grows()
+    assert 1 <= seen.count <= 8
+    kept.clear()
+
+
+def test_max_leak_raises_after_cleanup():
+    kept = []
+
+    @memguard.frees_memory(max_leak="32MiB")
+    def leaky():
+        kept.append(torch.ones(100 * MiB // 4))
+
+    with pytest.raises(memguard.MemoryLeakError, match="leaky.*retained"):
+        leaky()
+    kept.clear()
+
+    @memguard.frees_memory(max_leak="32MiB")
+    def cycles():
+        cyclic(100)  # collectable: not a leak
+
+    cycles()
+
+
+def test_signature_name_doc_and_wrapped_are_kept():
+    def original(a: int, b: str = "x", *, c: float = 1.0) -> str:
+        """Original doc."""
+        return f"{a}{b}{c}"
+
+    wrapped = memguard.frees_memory(every=2)(original)
+    assert inspect.signature(wrapped) == inspect.signature(original)
+    assert wrapped.__name__ == "original" and wrapped.__doc__ == "Original doc."
+    assert wrapped.__wrapped__ is original
+    assert wrapped(1, c=2.0) == "1x2.0"
+
+
+class Model:
+    def __init__(self):
+        self.calls = 0
+
+    @memguard.frees_memory
+    def method(self, mib):
+        self.calls += 1
+        cyclic(mib)
+        return self.calls
+
+    @classmethod
+    @memguard.frees_memory
+    def inner_classmethod(cls, mib):
+        cyclic(mib)
+        return cls.__name__
+
+    @memguard.frees_memory
+    @classmethod
+    def outer_classmethod(cls, mib):
+        cyclic(mib)
+        return cls.__name__
+
+    @memguard.frees_memory
+    @staticmethod
+    def outer_staticmethod(mib):
+        cyclic(mib)
+        return "static"
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda m: m.method(100), 1),
+    (lambda m: m.inner_classmethod(100), "Model"),
+    (lambda m: Model.outer_classmethod(100), "Model"),
+    (lambda m: m.outer_classmethod(100), "Model"),
+    (lambda m: Model.outer_staticmethod(100), "static"),
+])
+def test_methods_classmethods_and_staticmethods(call, expected):
+    model = Model()
+    start = host.rss()
+    assert call(model) == expected
+    assert host.rss() - start < 30 * MiB
+
+
+def test_async_function_is_cleaned_after_the_await():
+    @memguard.frees_memory
+    async def step(mib):
+        await asyncio.sleep(0)
+        cyclic(mib)
+        return "async"
+
+    assert inspect.iscoroutinefunction(step)
+    start = host.rss()
+    for _ in range(3):
+        assert asyncio.run(step(100)) == "async"
+    assert host.rss() - start < 30 * MiB
+
+
+def test_generator_is_cleaned_when_it_finishes():
+    @memguard.frees_memory
+    def batches(n):
+        for i in range(n):
+            cyclic(60)
+            yield i
+        return "end"
+
+    assert inspect.isgeneratorfunction(batches)
+    start = host.rss()
+    gen = batches(3)
+    assert list(gen) == [0, 1, 2]
+    assert host.rss() - start < 30 * MiB
+
+
+def test_generator_is_cleaned_when_closed_early():
+    @memguard.frees_memory
+    def batches():
+        while True:
+            cyclic(100)
+            yield
+
+    start = host.rss()
+    gen = batches()
+    next(gen), next(gen)
+    assert host.rss() - start > 150 * MiB  # still running: nothing is cleaned yet
+    gen.close()
+    assert host.rss() - start < 30 * MiB
+
+
+def test_generator_send_and_return_value_pass_through():
+    @memguard.frees_memory
+    def echo():
+        got = yield "ready"
+        return got * 2
+
+    gen = echo()
+    assert next(gen) == "ready"
+    with pytest.raises(StopIteration) as stop:
+        gen.send(21)
+    assert stop.value.value == 42
+
+
+def test_recursive_calls_clean_once_at_the_outermost():
+    @memguard.frees_memory(policy="always")
+    def depth(n):
+        return 0 if n == 0 else 1 + depth(n - 1)
+
+    with FullCollections() as seen:
+        assert depth(5) == 5
+    assert seen.count == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"every": 0}, "every must be a positive int"),
+    ({"every": 1.5}, "every must be a positive int"),
+    ({"policy": "never"}, "policy must be"),
+    ({"max_leak": "lots"}, "'lots'"),
+])
+def test_bad_options_are_refused_at_decoration(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        memguard.frees_memory(**kwargs)
+
+
+def test_async_generators_are_refused_plainly():
+    async def agen():
+        yield 1
+
+    with pytest.raises(TypeError, match="async generator"):
+        memguard.frees_memory(agen)

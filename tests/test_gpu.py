@@ -1,0 +1,113 @@
+"""CUDA (and ROCm) through torch: run wherever a GPU is present, skipped elsewhere."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import memguard
+
+MiB = 1 << 20
+pytestmark = pytest.mark.gpu
+
+
+def cuda_cycle(mib: int) -> None:
+    holder: list = [torch.ones(mib * MiB // 4, device="cuda")]
+    holder.append(holder)
+
+
+def test_cuda_is_listed_only_once_the_program_used_it(python_in_subprocess):
+    out = python_in_subprocess("""
+        import json
+        import torch
+        import memguard
+        before = memguard.list_devices()
+        initialised = torch.cuda.is_initialized()
+        torch.zeros(1, device="cuda")
+        print(json.dumps({"before": before, "initialised": initialised,
+                          "after": memguard.list_devices()}))
+    """)
+    assert out["before"] == ["host"] and out["initialised"] is False
+    assert out["after"][:2] == ["host", "cuda:0"]
+
+
+def test_device_memory_reads_the_caching_allocator():
+    block = torch.ones(64 * MiB // 4, device="cuda")
+    mem = memguard.snapshot("cuda:0")["cuda:0"]
+    assert mem.allocated >= 64 * MiB and mem.reserved >= mem.allocated
+    assert mem.peak >= mem.allocated and 0 < mem.free < mem.total
+    del block
+
+
+def test_scope_frees_a_cuda_cycle_and_empties_the_grown_cache():
+    torch.cuda.empty_cache()
+    gc.disable()
+    try:
+        with memguard.memory_scope(devices="cuda") as scope:
+            cuda_cycle(256)
+    finally:
+        gc.enable()
+    assert scope.retained["cuda:0"] < 2 * MiB
+    assert scope.peak["cuda:0"] - scope.before["cuda:0"].allocated >= 256 * MiB
+    assert scope.freed >= 200 * MiB  # the cache the cycle grew went back to the driver
+    assert torch.cuda.memory_reserved() - scope.before["cuda:0"].reserved < 64 * MiB
+
+
+def test_scope_reports_a_kept_cuda_tensor_and_max_leak():
+    with pytest.raises(memguard.MemoryLeakError, match="cuda:0"):
+        with memguard.memory_scope(devices=["cuda:0"], max_leak="16MiB") as scope:
+            kept = torch.ones(128 * MiB // 4, device="cuda")
+    assert 127 * MiB <= scope.retained["cuda:0"] <= 130 * MiB
+    del kept
+
+
+def test_nested_cuda_peaks():
+    with memguard.memory_scope(devices="cuda:0") as outer:
+        big = torch.ones(512 * MiB // 4, device="cuda")
+        del big
+        with memguard.memory_scope(devices="cuda:0") as inner:
+            small = torch.ones(64 * MiB // 4, device="cuda")
+            del small
+    assert outer.peak["cuda:0"] - outer.before["cuda:0"].allocated >= 512 * MiB
+    assert inner.peak["cuda:0"] - inner.before["cuda:0"].allocated < 128 * MiB
+
+
+def test_free_memory_returns_the_cache_to_the_driver():
+    block = torch.ones(256 * MiB // 4, device="cuda")
+    del block
+    assert torch.cuda.memory_reserved() >= 256 * MiB
+    assert memguard.free_memory() >= 256 * MiB
+    assert torch.cuda.memory_reserved() < 256 * MiB
+
+
+def test_inference_mode_on_a_cuda_model():
+    model = torch.nn.Linear(256, 256).cuda().train()
+    with memguard.inference_mode(model):
+        out = model(torch.ones(8, 256, device="cuda"))
+    assert not out.requires_grad and model.training
+
+
+def test_frees_memory_keeps_a_cuda_training_step_flat():
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @memguard.frees_memory
+    def step():
+        loss = model(torch.randn(512, 1024, device="cuda")).square().mean()
+        holder = [loss]
+        holder.append(holder)  # the classic leak: a graph kept alive by a cycle
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    gc.disable()
+    try:
+        step()
+        start = torch.cuda.memory_allocated()
+        for _ in range(20):
+            step()
+    finally:
+        gc.enable()
+    assert torch.cuda.memory_allocated() - start < 8 * MiB

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import memguard
+from memguard.backends import host
+
+MiB = 1 << 20
+
+
+def mixed_model() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Sequential(torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    model.train()
+    model[1].eval()       # a frozen dropout inside a training model
+    model[2][0].eval()    # and a frozen batch norm
+    return model
+
+
+def flags(model: torch.nn.Module) -> list[bool]:
+    return [m.training for m in model.modules()]
+
+
+def test_runs_without_autograd_in_eval_mode_and_restores_every_flag():
+    model = mixed_model()
+    original = flags(model)
+    with memguard.inference_mode(model):
+        assert torch.is_inference_mode_enabled()
+        assert not any(flags(model))
+        out = model(torch.ones(3, 4))
+    assert out.requires_grad is False and out.is_inference()
+    assert flags(model) == original == [True, True, False, True, False, True]
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_flags_are_restored_when_the_body_raises():
+    model, other = mixed_model(), mixed_model()
+    other.eval()
+    with pytest.raises(ZeroDivisionError):
+        with memguard.inference_mode(model, other):
+            1 / 0
+    assert flags(model) == [True, True, False, True, False, True]
+    assert not any(flags(other))
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_non_models_are_refused_by_position():
+    model = mixed_model()
+    with pytest.raises(TypeError, match="argument 1 is a str, not a torch.nn.Module"):
+        memguard.inference_mode(model, "weights.pt")
+    with pytest.raises(TypeError, match="cleanup must be True or False"):
+        memguard.inference_mode(model, cleanup="yes")
+
+
+def test_decorator_forms():
+    model = mixed_model()
+
+    @memguard.inference_mode
+    def bare(x):
+        """Predict."""
+        return torch.is_inference_mode_enabled(), x * 2
+
+    @memguard.inference_mode(model)
+    def predict(x):
+        return model.training, model(x)
+
+    assert bare(1) == (True, 2) and bare.__doc__ == "Predict."
+    training, out = predict(torch.ones(2, 4))
+    assert training is False and not out.requires_grad
+    assert model.training is True
+
+
+def test_methods_can_be_decorated():
+    class Server:
+        def __init__(self):
+            self.model = torch.nn.Linear(4, 2)
+
+        @memguard.inference_mode()
+        def answer(self, x):
+            return self.model(x)
+
+    assert Server().answer(torch.ones(1, 4)).requires_grad is False
+
+
+def test_generators_and_coroutines_are_refused():
+    def gen():
+        yield 1
+
+    async def coro():
+        return 1
+
+    for func in (gen, coro):
+        with pytest.raises(TypeError, match="inference_mode cannot decorate"):
+            memguard.inference_mode(func)
+
+
+def test_cleans_up_what_inference_left_in_a_cycle():
+    model = torch.nn.Linear(1024, 1024)
+    memguard.free_memory()
+    gc.disable()
+    try:
+        start = host.rss()
+        with memguard.inference_mode(model):
+            out = model(torch.ones(50_000, 1024))  # 200 MB of activations
+            holder = [out]
+            holder.append(holder)
+            del out, holder
+        assert host.rss() - start < 30 * MiB
+    finally:
+        gc.enable()
+
+
+def test_without_torch_it_only_cleans_up(python_in_subprocess):
+    out = python_in_subprocess("""
+        import gc, json, sys
+        import memguard
+        from memguard.backends import host
+        gc.disable()
+        start = host.rss()
+        with memguard.inference_mode():
+            block = [bytearray(200 * 2**20)]
+            block.append(block)
+            del block
+        print(json.dumps({"torch": "torch" in sys.modules,
+                          "left_mib": (host.rss() - start) / 2**20}))
+    """)
+    assert out["torch"] is False and out["left_mib"] < 30
