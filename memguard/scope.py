@@ -227,8 +227,22 @@ def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Union[bo
     return MemoryScope(name, devices=devices, cleanup=cleanup, max_leak=max_leak)
 
 
+def _lower(a: Readings, b: Readings) -> Readings:
+    """Per device and field, the lower of two readings (``b`` may lack devices)."""
+    def low(x: Optional[int], y: Optional[int]) -> Optional[int]:
+        return x if y is None else (y if x is None else min(x, y))
+
+    return {d: (low(r[0], b[d][0]), low(r[1], b[d][1])) if d in b else r for d, r in a.items()}
+
+
 class _FreesMemory:
-    """The per-function state of ``@frees_memory``: windows of ``every`` outermost calls."""
+    """The per-function state of ``@frees_memory``: windows of ``every`` outermost calls.
+
+    The cleanup policy compares the memory after a window with the lower of its entry level
+    and the level the previous cleanup left: a step whose inputs were allocated before the call
+    and end up in a reference cycle made by it leaves no growth over its own entry, yet is
+    caught. ``max_leak`` counts only what the window itself kept over its entry.
+    """
 
     def __init__(self, what: str, every: int, policy: Policy, max_leak: Optional[int]) -> None:
         self.what = what
@@ -240,6 +254,7 @@ class _FreesMemory:
         self.calls = 0
         self.pairs: Pairs = []
         self.entry: Readings = {}
+        self.baseline: Readings = {}
 
     def __enter__(self) -> None:
         depth = getattr(self.local, "depth", 0)
@@ -262,12 +277,13 @@ class _FreesMemory:
             if self.calls % self.every:
                 return
             try:
-                outcome = self.settler.settle(self.pairs, self.entry)
+                outcome = self.settler.settle(self.pairs, _lower(self.entry, self.baseline))
             except Exception:  # noqa: BLE001
                 if exc_type is None:
                     raise
                 log.exception("memguard: cleanup after %s failed while it raised", self.what)
                 return
+            self.baseline = outcome.after
         if self.max_leak is None:
             return
         over = {}

@@ -269,3 +269,19 @@ def test_async_generators_are_refused_plainly():
 
     with pytest.raises(TypeError, match="async generator"):
         memguard.frees_memory(agen)
+
+
+def test_inputs_allocated_before_the_call_and_caught_in_its_cycle_are_freed():
+    """The call's own entry level already holds its input: only the level the previous
+    cleanup left shows that the inputs pile up."""
+
+    @memguard.frees_memory
+    def step(batch):
+        record = {"inputs": batch}
+        record["self"] = record
+
+    step(torch.ones(40 * MiB // 4))
+    start = host.malloc_in_use()
+    for _ in range(10):
+        step(torch.ones(40 * MiB // 4))
+    assert host.malloc_in_use() - start < 90 * MiB  # bare: 400 MB

@@ -1,0 +1,1 @@
+"""memguard's benchmarks: ``python -m benchmarks`` (``--quick`` for a short run)."""

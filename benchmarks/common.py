@@ -1,0 +1,64 @@
+"""Small pieces shared by the benchmarks: a timed loop, a fresh interpreter, a result row."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Result:
+    """One line of the table: memguard's figure, the peer's, their ratio, the target."""
+
+    name: str
+    memguard: float
+    peer: Optional[float]
+    unit: str
+    peer_name: str
+    target: str
+    met: Optional[bool]
+    notes: str = ""
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.peer in (None, 0):
+            return None
+        return self.memguard / self.peer
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), ratio=self.ratio)
+
+
+def interleaved(variants: dict[str, Callable[[], None]], rounds: int, per_round: int) -> dict:
+    """Median seconds per call of each variant, measured in alternating rounds.
+
+    Alternating spreads the machine's noise (other load, frequency changes) evenly over the
+    variants, so their ratios from one run hold even when absolute times drift.
+    """
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            times[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def run_python(code: str, env: Optional[dict] = None, timeout: float = 600) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON object as its last line."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {})))
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark subprocess failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
