@@ -9,16 +9,19 @@ memory_scope: host peak 112.4 MiB, retained 0 B; freed 0 B in 0.000 s
 
 from ._units import format_bytes, parse_size
 from .backends import DeviceMemory, activate, list_devices
+from .batching import find_batch_size, map_batches
 from .cleanup import free_memory
-from .errors import MemguardError, MemoryLeakError
+from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
 from .inference import InferenceMode, inference_mode
+from .retry import Attempt, oom_retry
 from .scope import MemoryScope, frees_memory, memory_scope
 from .snapshot import MemorySnapshot, snapshot
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeviceMemory", "InferenceMode", "MemguardError", "MemoryLeakError", "MemoryScope",
-    "MemorySnapshot", "activate", "format_bytes", "free_memory", "frees_memory",
-    "inference_mode", "list_devices", "memory_scope", "parse_size", "snapshot",
+    "Attempt", "DeviceMemory", "InferenceMode", "MemguardError", "MemoryLeakError",
+    "MemoryScope", "MemorySnapshot", "OutOfMemoryError", "activate", "find_batch_size",
+    "format_bytes", "free_memory", "frees_memory", "inference_mode", "is_oom_error",
+    "list_devices", "map_batches", "memory_scope", "oom_retry", "parse_size", "snapshot",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import traceback
 from typing import Iterable, Literal
 
 from .backends import Backend, Reading, active_backends, resolve_devices
@@ -86,6 +87,24 @@ def free_memory(keras: bool = False) -> int:
     freed = released(before, read_all(pairs))
     log.debug("free_memory released %d bytes", freed)
     return freed
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Clear the local variables of every finished frame ``exc`` (and the exceptions chained
+    to it) still holds through its traceback, so that what a failed call allocated can be
+    freed while the exception object itself lives on (frames still running are left as
+    they are). Call it inside ``except``; collect outside it, once ``exc`` is dropped.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        stack += [current.__cause__, current.__context__]
 
 
 class _Backoff:

@@ -1,0 +1,48 @@
+"""Agreement between the ranks of a distributed job at each attempt boundary.
+
+An out-of-memory on one rank must not send that rank alone into a retry: its peers would wait
+in a collective it never reaches, and the job hangs. After every attempt each rank reports
+its status here; if any rank ran out of memory, every rank retries, at the same size.
+
+A collective inside the guarded function that a peer's out-of-memory leaves unmatched cannot
+be rescued by any library: keep collectives out of the guarded code, or, for DDP, probe with
+``find_batch_size`` (each rank on the plain module or under ``no_sync()``) before training.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from .backends import torch_distributed
+
+Sync = Union[bool, Literal["auto"]]
+OK, OOM, FAILED = 0, 1, 2
+
+
+class Agreement:
+    """The ranks' common view of one attempt: the worst status and the smallest size.
+
+    ``sync="auto"`` takes part when a process group of more than one rank is initialised,
+    ``True`` requires one, ``False`` never takes part.
+    """
+
+    def __init__(self, sync: Sync = "auto") -> None:
+        if sync not in (True, False, "auto"):
+            raise ValueError(f"sync must be True, False or 'auto', got {sync!r}")
+        world = torch_distributed.world() if sync is not False else None
+        if sync is True and world is None:
+            raise RuntimeError("sync=True needs an initialised torch.distributed process group "
+                               "(torch.distributed.init_process_group)")
+        self.active = world is not None and (sync is True or world[1] > 1)
+        self.rank = world[0] if world else 0
+
+    def agree(self, status: int, size: int) -> tuple[int, int]:
+        """Return the worst status over the ranks and the smallest size."""
+        if not self.active:
+            return status, size
+        worst, negative = torch_distributed.all_max([status, -size])
+        return worst, -negative
+
+    def smallest(self, size: int) -> int:
+        """The smallest ``size`` over the ranks."""
+        return self.agree(OK, size)[1]

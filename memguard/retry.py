@@ -1,0 +1,373 @@
+"""``oom_retry``: recover from out-of-memory at a smaller batch, with every rank in step.
+
+The order of things between two attempts is the point of this module. The decision is taken
+inside ``except`` (is it an out-of-memory? is there a smaller size left?), and the exception's
+finished frames are cleared there; the memory is freed outside it, once the exception object
+is no longer referenced: a collection inside ``except`` cannot free what the traceback holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+from ._decorate import function_kind, name_of
+from ._units import format_bytes
+from .cleanup import drop_frames, free_memory
+from .distributed import FAILED, OK, OOM, Agreement, Sync
+from .errors import MemguardError, OutOfMemoryError, oom_kind
+from .snapshot import MemorySnapshot, snapshot
+
+log = logging.getLogger("memguard")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One attempt of an ``oom_retry`` call.
+
+    ``batch_size`` and ``accumulation_steps`` (``None`` unless ``keep_effective_batch``) it ran
+    with; ``ok``; ``error``, the out-of-memory's text (or why a peer rank failed); ``seconds``;
+    ``memory``, a snapshot taken at the failure, while the failed attempt still held its
+    memory (``None`` for a success).
+
+    >>> from memguard import Attempt
+    >>> str(Attempt(64, None, True, None, 0.5, None))
+    'batch_size=64: ok in 0.500 s'
+    """
+
+    batch_size: int
+    accumulation_steps: Optional[int]
+    ok: bool
+    error: Optional[str]
+    seconds: float
+    memory: Optional[MemorySnapshot] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
+        data = dataclasses.asdict(self)
+        data["memory"] = self.memory.to_dict() if self.memory is not None else None
+        return data
+
+    def __str__(self) -> str:
+        steps = "" if self.accumulation_steps is None else f" x{self.accumulation_steps} steps"
+        if self.ok:
+            return f"batch_size={self.batch_size}{steps}: ok in {self.seconds:.3f} s"
+        return f"batch_size={self.batch_size}{steps}: {self.error} after {self.seconds:.3f} s"
+
+
+def memory_summary(snap: Optional[MemorySnapshot]) -> str:
+    """``"host 1.2 GiB, cuda:0 allocated 30.1 GiB of 31.7 GiB"``: a short line for logs."""
+    if snap is None:
+        return "memory unknown"
+    parts = []
+    for name, mem in snap.devices.items():
+        used = mem.reserved if name == "host" else mem.allocated
+        total = f" of {format_bytes(mem.total)}" if mem.total is not None else ""
+        parts.append(f"{name} {format_bytes(used)}{total}")
+    return ", ".join(parts)
+
+
+def error_text(exc: BaseException) -> str:
+    """The out-of-memory's kind and the first line of its message, shortened."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if len(first) > 160:
+        first = first[:157] + "..."
+    return f"out of memory ({oom_kind(exc)}): {first}"
+
+
+def check_size(value: Any, name: str) -> int:
+    """``value`` if it is a positive int, else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_factor(factor: Any) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), got {factor!r}")
+    return float(factor)
+
+
+class _Config:
+    def __init__(self, func: Callable[..., Any], batch_size: Optional[int], arg: str,
+                 min_batch_size: int, factor: float, max_attempts: Optional[int],
+                 keep_effective_batch: bool, accumulation_arg: str, cache: bool, sync: Sync,
+                 on_retry: Optional[Callable[[Attempt], Any]]) -> None:
+        self.name = name_of(func)
+        target = getattr(func, "__func__", func)
+        params = inspect.signature(target).parameters
+        if arg not in params:
+            raise TypeError(f"oom_retry: {self.name}() has no parameter {arg!r} to pass the "
+                            f"batch size through; name it with arg=...")
+        if keep_effective_batch and accumulation_arg not in params:
+            raise TypeError(f"oom_retry: keep_effective_batch needs a parameter "
+                            f"{accumulation_arg!r} in {self.name}(); name it with "
+                            f"accumulation_arg=...")
+        default = params[arg].default
+        self.default = None if default is inspect.Parameter.empty else default
+        self.batch_size = batch_size
+        self.arg = arg
+        self.min_batch_size = min_batch_size
+        self.factor = factor
+        self.max_attempts = max_attempts
+        self.keep_effective_batch = keep_effective_batch
+        self.accumulation_arg = accumulation_arg
+        self.cache = cache
+        self.sync = sync
+        self.on_retry = on_retry
+        if sync not in (True, False, "auto"):
+            raise ValueError(f"oom_retry: sync must be True, False or 'auto', got {sync!r}")
+        if on_retry is not None and not callable(on_retry):
+            raise TypeError(f"oom_retry: on_retry must be callable, got {on_retry!r}")
+
+
+class _State:
+    """What the decorated function remembers: working sizes, the last call's attempts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cache: dict[int, int] = {}
+        self.history: list[Attempt] = []
+        self.batch_size: Optional[int] = None
+
+
+class _Run:
+    """One call of an ``oom_retry`` function: its sizes, attempts and agreement."""
+
+    def __init__(self, cfg: _Config, state: _State, wrapped: Callable[..., Any],
+                 args: tuple, kwargs: dict) -> None:
+        self.cfg, self.state = cfg, state
+        self.bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
+        given = self.bound.arguments.get(cfg.arg)
+        requested = given if given is not None else (cfg.batch_size or cfg.default)
+        if requested is None:
+            raise TypeError(f"{cfg.name}() got no {cfg.arg}: pass it, give the parameter a "
+                            f"default, or decorate with oom_retry(batch_size=...)")
+        self.requested = check_size(requested, cfg.arg)
+        if cfg.min_batch_size > self.requested:
+            raise ValueError(f"oom_retry: min_batch_size={cfg.min_batch_size} is larger than "
+                             f"the starting {cfg.arg}={self.requested}")
+        with state.lock:
+            cached = state.cache.get(self.requested) if cfg.cache else None
+        self.agreement = Agreement(cfg.sync)
+        self.size = self.agreement.smallest(cached or self.requested)
+        self.attempts: list[Attempt] = []
+        state.history = self.attempts
+        self.started = 0.0
+        self.final: Optional[BaseException] = None
+
+    # -- one attempt -----------------------------------------------------------------------
+    def steps(self) -> Optional[int]:
+        if not self.cfg.keep_effective_batch:
+            return None
+        return math.ceil(self.requested / self.size)
+
+    def arguments(self) -> tuple[tuple, dict]:
+        self.bound.arguments[self.cfg.arg] = self.size
+        if self.cfg.keep_effective_batch:
+            self.bound.arguments[self.cfg.accumulation_arg] = self.steps()
+        self.started = time.perf_counter()
+        return self.bound.args, self.bound.kwargs
+
+    def _next_size(self) -> Optional[int]:
+        if self.cfg.max_attempts is not None and len(self.attempts) >= self.cfg.max_attempts:
+            return None
+        if self.size <= self.cfg.min_batch_size:
+            return None
+        return max(self.cfg.min_batch_size, math.floor(self.size * self.cfg.factor))
+
+    def failed(self, exc: BaseException) -> bool:
+        """Inside ``except``: record and decide. False: not an out-of-memory, re-raise it."""
+        seconds = time.perf_counter() - self.started
+        mine = OOM if oom_kind(exc) is not None else FAILED
+        worst, _ = self.agreement.agree(mine, self.size)
+        if mine == FAILED:
+            return False
+        self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
+                                     _safe_snapshot()))
+        if worst == FAILED:
+            raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
+                                f"not an out-of-memory while this one ran out of memory at "
+                                f"{self.cfg.arg}={self.size}; see that rank's log") from exc
+        self._decide(exc)
+        drop_frames(exc)
+        return True
+
+    def succeeded(self) -> bool:
+        """After a return: True when every rank succeeded too."""
+        seconds = time.perf_counter() - self.started
+        worst, _ = self.agreement.agree(OK, self.size)
+        if worst == OK:
+            self.attempts.append(Attempt(self.size, self.steps(), True, None, seconds))
+            with self.state.lock:
+                self.state.batch_size = self.size
+                if self.cfg.cache:
+                    self.state.cache[self.requested] = self.size
+            return True
+        why = ("another rank ran out of memory" if worst == OOM else
+               "another rank failed with an error that is not an out-of-memory")
+        self.attempts.append(Attempt(self.size, self.steps(), False, why, seconds,
+                                     _safe_snapshot()))
+        if worst == FAILED:
+            raise MemguardError(f"{self.cfg.name}: {why}; see that rank's log")
+        self._decide(None)
+        return False
+
+    def _decide(self, exc: Optional[BaseException]) -> None:
+        upcoming = self._next_size()
+        if upcoming is None:
+            tried = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})"
+                              for a in self.attempts)
+            error = OutOfMemoryError(
+                f"{self.cfg.name}: out of memory at every {self.cfg.arg} tried: {tried}. "
+                f"Lower min_batch_size, free memory held elsewhere, or use a smaller model",
+                self.attempts)
+            if exc is not None:
+                raise error from exc
+            raise error
+        self.size = upcoming
+
+    # -- between attempts ------------------------------------------------------------------
+    def recover(self) -> None:
+        """Outside ``except``: free the failed attempt's memory, log, call ``on_retry``."""
+        freed = free_memory()
+        last = self.attempts[-1]
+        log.warning("memguard: %s: %s at %s=%d; %s; freed %s; retrying at %s=%d",
+                    self.cfg.name, last.error, self.cfg.arg, last.batch_size,
+                    memory_summary(last.memory), format_bytes(freed), self.cfg.arg, self.size)
+        if self.cfg.on_retry is not None:
+            self.cfg.on_retry(last)
+
+
+def _safe_snapshot() -> Optional[MemorySnapshot]:
+    try:
+        return snapshot()
+    except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
+        return None
+
+
+def _wrap(func: F, cfg: _Config) -> F:
+    """The wrapt wrapper, with the statistics reachable on the decorated function."""
+    import wrapt
+
+    state = _State()
+    kind = function_kind(func)
+    if kind not in ("sync", "async"):
+        raise TypeError(f"oom_retry cannot decorate {kind} function {cfg.name}; it takes "
+                        f"plain and async functions and methods")
+
+    def sync_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        run = _Run(cfg, state, wrapped, args, kwargs)
+        while True:
+            call_args, call_kwargs = run.arguments()
+            try:
+                result = wrapped(*call_args, **call_kwargs)
+            except BaseException as exc:
+                if not run.failed(exc):
+                    raise
+            else:
+                if run.succeeded():
+                    return result
+                del result
+            run.recover()
+
+    async def async_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        run = _Run(cfg, state, wrapped, args, kwargs)
+        while True:
+            call_args, call_kwargs = run.arguments()
+            try:
+                result = await wrapped(*call_args, **call_kwargs)
+            except BaseException as exc:
+                if not run.failed(exc):
+                    raise
+            else:
+                if run.succeeded():
+                    return result
+                del result
+            run.recover()
+
+    class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+        history = property(lambda self: state.history)
+        batch_size = property(lambda self: state.batch_size)
+
+        def reset(self) -> None:
+            _reset(state)
+
+    class Retrying(wrapt.FunctionWrapper):  # type: ignore[misc]
+        __bound_function_wrapper__ = Bound
+        history = property(lambda self: state.history, doc="The last call's attempts.")
+        batch_size = property(lambda self: state.batch_size,
+                              doc="The last size that worked (None before any success).")
+
+        def reset(self) -> None:
+            """Forget the working sizes: the next call starts at the requested size."""
+            _reset(state)
+
+    return Retrying(func, async_wrapper if kind == "async" else sync_wrapper)
+
+
+def _reset(state: _State) -> None:
+    with state.lock:
+        state.cache.clear()
+        state.batch_size = None
+        state.history = []
+
+
+def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
+              arg: str = "batch_size", min_batch_size: int = 1, factor: float = 0.5,
+              max_attempts: Optional[int] = None, keep_effective_batch: bool = False,
+              accumulation_arg: str = "accumulation_steps", cache: bool = True,
+              sync: Sync = "auto", on_retry: Optional[Callable[[Attempt], Any]] = None) -> Any:
+    """Retry the decorated function at a smaller batch size when it runs out of memory.
+
+    The batch size travels through the parameter ``arg``. A call starts at the caller's value,
+    else ``batch_size``, else the parameter's default; with ``cache=True`` at the size that
+    last worked for that same start. On an out-of-memory (see :func:`is_oom_error`) the
+    failed attempt's frames are cleared, garbage is collected and every cache emptied, and the
+    next attempt runs at ``max(min_batch_size, floor(size * factor))``; any other exception
+    propagates untouched. When the attempt at ``min_batch_size`` (or the ``max_attempts``-th)
+    fails too, :class:`OutOfMemoryError` lists every size tried with the memory at each
+    failure. ``keep_effective_batch=True`` also passes ``accumulation_arg =
+    ceil(start / size)`` so that ``size * steps >= start`` (BatchNorm statistics still see
+    the smaller batches). Each retry is logged at WARNING; ``on_retry(attempt)`` runs after
+    the cleanup, before the next attempt.
+
+    In a distributed job (``sync="auto"`` with more than one rank, or ``sync=True``) every
+    rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of
+    memory, all retry at the same smaller size, and all finish at the same size after the
+    same number of attempts. A ``tf.function`` retraces for each new batch shape.
+
+    The decorated function exposes ``history`` (the last call's :class:`Attempt` records),
+    ``batch_size`` (the last working size) and ``reset()``.
+
+    >>> import memguard
+    >>> @memguard.oom_retry(batch_size=256)
+    ... def train(batch_size):
+    ...     return batch_size
+    >>> train()
+    256
+    >>> train.history[-1].ok
+    True
+    """
+    if batch_size is not None:
+        check_size(batch_size, "batch_size")
+    check_size(min_batch_size, "min_batch_size")
+    if batch_size is not None and min_batch_size > batch_size:
+        raise ValueError(f"oom_retry: min_batch_size={min_batch_size} is larger than "
+                         f"batch_size={batch_size}")
+    factor = check_factor(factor)
+    if max_attempts is not None:
+        check_size(max_attempts, "max_attempts")
+
+    def decorate(f: F) -> F:
+        cfg = _Config(f, batch_size, arg, min_batch_size, factor, max_attempts,
+                      keep_effective_batch, accumulation_arg, cache, sync, on_retry)
+        return _wrap(f, cfg)
+
+    return decorate if func is None else decorate(func)

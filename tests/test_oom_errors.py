@@ -1,0 +1,144 @@
+"""is_oom_error against every message form, the CPU ones produced for real here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memguard
+from memguard.errors import oom_kind
+
+from budget import ENV, script
+
+# Recorded from torch 2.13.0 and TensorFlow 2.21 on this machine under an address-space budget
+# (test_real_cpu_messages_are_recognised reproduces them live); the GPU forms are the
+# frameworks' own wording.
+TORCH_CPU = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+             "memory: you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate "
+             "memory)")
+TF_CPU = ("{{function_node __wrapped__Fill_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+          "OOM when allocating tensor with shape[2147483648] and type float on "
+          "/job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu [Op:Fill] name: ")
+
+RUNTIME_OOMS = [
+    ("torch CPU allocator", TORCH_CPU),
+    ("CUDA caching allocator", "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+                               "total capacity of 79.15 GiB of which 3.12 MiB is free."),
+    ("ROCm caching allocator", "HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                               "capacity of 63.98 GiB of which 1.00 GiB is free."),
+    ("XPU caching allocator", "XPU out of memory. Tried to allocate 1.00 GiB (GPU 0; 15.11 GiB "
+                              "total capacity)"),
+    ("CUDA runtime", "CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+                     "reported at some other API call"),
+    ("MPS allocator", "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: "
+                      "1.00 GB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private "
+                      "pool."),
+    ("cuBLAS", "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    ("cuDNN", "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    ("cuDNN on a full GPU", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if "
+                            "you passed in a non-contiguous input."),
+    ("XLA allocator", "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 "
+                      "bytes."),
+]
+
+
+@pytest.mark.parametrize("kind, message", RUNTIME_OOMS, ids=[k for k, _ in RUNTIME_OOMS])
+def test_runtime_error_messages(kind, message):
+    assert memguard.is_oom_error(RuntimeError(message))
+    assert oom_kind(RuntimeError(message)) == kind
+
+
+@pytest.mark.parametrize("exc", [
+    torch.OutOfMemoryError("anything"),
+    MemoryError(),
+    memguard.OutOfMemoryError("gave up", []),
+], ids=["torch.OutOfMemoryError", "MemoryError", "memguard.OutOfMemoryError"])
+def test_out_of_memory_classes(exc):
+    assert memguard.is_oom_error(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    ValueError("CUDA out of memory"),  # the words alone, in an error that is not a runtime one
+    RuntimeError("shape mismatch: 3 vs 4"),
+    RuntimeError("CUDA error: device-side assert triggered"),
+    OSError(28, "No space left on device"),
+    KeyboardInterrupt(),
+    None,
+], ids=["value-error", "shape", "device-assert", "disk", "interrupt", "none"])
+def test_everything_else_is_not(exc):
+    assert not memguard.is_oom_error(exc)
+
+
+def test_out_of_memory_wrapped_in_another_exception_is_found():
+    try:
+        try:
+            raise RuntimeError(TORCH_CPU)
+        except RuntimeError as inner:
+            raise ValueError("data loader worker failed") from inner
+    except ValueError as outer:
+        assert memguard.is_oom_error(outer)
+    try:
+        try:
+            raise MemoryError
+        except MemoryError:
+            raise KeyError("while handling")  # implicit __context__
+    except KeyError as outer:
+        assert memguard.is_oom_error(outer)
+
+
+def test_chains_with_cycles_terminate():
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a
+    assert not memguard.is_oom_error(a)
+
+
+@pytest.mark.slow
+def test_real_cpu_messages_are_recognised(python_in_subprocess):
+    out = python_in_subprocess(script("""
+        import numpy, torch
+        import tensorflow as tf
+        import memguard
+
+        @tf.function
+        def fill(n):
+            return tf.fill([n], 1.0) * 2
+
+        torch.ones(10), fill(tf.constant(10))
+        found = {}
+        set_budget(512)
+        for name, make in [("torch", lambda: torch.ones(2 << 30)),
+                           ("tensorflow", lambda: tf.ones((2 << 30,))),
+                           ("tf.function", lambda: fill(tf.constant(2 << 30))),
+                           ("numpy", lambda: numpy.ones(2 << 30))]:
+            try:
+                make()
+                found[name] = None
+            except Exception as exc:
+                found[name] = [type(exc).__name__, memguard.is_oom_error(exc), str(exc)[:300]]
+        print(json.dumps(found))
+    """), env=ENV, timeout=300)
+    assert out["torch"][:2] == ["RuntimeError", True]
+    assert "DefaultCPUAllocator: can't allocate memory" in out["torch"][2]
+    assert out["tensorflow"][:2] == ["ResourceExhaustedError", True]
+    assert "OOM when allocating" in out["tensorflow"][2]
+    assert out["tf.function"][:2] == ["ResourceExhaustedError", True]
+    assert out["numpy"][1] is True
+
+
+@pytest.mark.slow
+def test_tensorflow_resource_exhausted_about_disk_is_not_memory(python_in_subprocess):
+    out = python_in_subprocess("""
+        import json
+        import tensorflow as tf
+        import memguard
+        E = tf.errors.ResourceExhaustedError
+        print(json.dumps([memguard.is_oom_error(E(None, None, text)) for text in (
+            "OOM when allocating tensor with shape[1024,1024] on GPU:0 by allocator GPU_0_bfc",
+            "Out of memory while trying to allocate 4096 bytes.",
+            "failed to allocate memory [Op:AddV2]",
+            "/tmp/ckpt; No space left on device",
+            "Disk quota exceeded writing summary",
+            "Quota exceeded for requests",
+        )]))
+    """)
+    assert out == [True, True, True, False, False, False]

@@ -1,0 +1,258 @@
+"""oom_retry's size policy, cache and statistics, on real torch allocation failures.
+
+``torch.empty`` of more bytes than the machine has fails at once with the CPU allocator's real
+out-of-memory error, so these tests need no memory budget; test_oom_recovery.py runs the
+budgeted ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+
+import pytest
+import torch
+
+import memguard
+
+
+def workload(limit: int, calls: list | None = None):
+    """A step that really runs out of memory above ``limit`` samples."""
+
+    def step(batch_size: int, accumulation_steps: int = 1) -> int:
+        if calls is not None:
+            calls.append((batch_size, accumulation_steps))
+        torch.empty(batch_size * (1 << 42) if batch_size > limit else batch_size)
+        return batch_size
+
+    return step
+
+
+def test_halves_until_it_fits_and_records_every_attempt():
+    calls = []
+    train = memguard.oom_retry(batch_size=256)(workload(50, calls))
+    assert train() == 32
+    assert [b for b, _ in calls] == [256, 128, 64, 32]
+    history = train.history
+    assert [(a.batch_size, a.ok) for a in history] == [(256, False), (128, False), (64, False),
+                                                      (32, True)]
+    assert "DefaultCPUAllocator" in history[0].error and history[0].memory is not None
+    assert history[0].memory["host"].reserved > 0 and history[-1].memory is None
+    assert all(a.seconds >= 0 for a in history)
+    assert train.batch_size == 32
+
+
+def test_second_call_starts_at_the_cached_size_and_reset_forgets_it():
+    calls = []
+    train = memguard.oom_retry(batch_size=256)(workload(50, calls))
+    train()
+    calls.clear()
+    assert train() == 32 and calls == [(32, 1)] and len(train.history) == 1
+    train.reset()
+    assert train.batch_size is None and train.history == []
+    calls.clear()
+    train()
+    assert len(calls) == 4
+
+
+def test_cache_is_per_requested_start():
+    calls = []
+    train = memguard.oom_retry(batch_size=256)(workload(50, calls))
+    train()
+    calls.clear()
+    assert train(batch_size=40) == 40 and calls == [(40, 1)]
+    calls.clear()
+    assert train(batch_size=100) == 50 and [b for b, _ in calls] == [100, 50]
+    calls.clear()
+    assert train(batch_size=100) == 50 and calls == [(50, 1)]
+
+
+def test_without_cache_every_call_starts_over():
+    calls = []
+    train = memguard.oom_retry(batch_size=64, cache=False)(workload(20, calls))
+    train(), train()
+    assert [b for b, _ in calls] == [64, 32, 16, 64, 32, 16]
+
+
+def test_bare_decorator_starts_at_the_callers_argument_or_the_default():
+    calls = []
+
+    @memguard.oom_retry
+    def train(batch_size=64):
+        return workload(10, calls)(batch_size)
+
+    assert train() == 8 and [b for b, _ in calls] == [64, 32, 16, 8]
+    calls.clear()
+    assert train(batch_size=5) == 5 and calls == [(5, 1)]
+    calls.clear()
+    assert train(20) == 10 and [b for b, _ in calls] == [20, 10]
+
+
+def test_factor_min_batch_size_and_max_attempts():
+    calls = []
+    train = memguard.oom_retry(batch_size=100, factor=0.75)(workload(40, calls))
+    assert train() == 31 and [b for b, _ in calls] == [100, 75, 56, 42, 31]
+    calls.clear()
+    train = memguard.oom_retry(batch_size=100, min_batch_size=30)(workload(20, calls))
+    with pytest.raises(memguard.OutOfMemoryError):
+        train()
+    assert [b for b, _ in calls] == [100, 50, 30]
+    calls.clear()
+    train = memguard.oom_retry(batch_size=100, max_attempts=2)(workload(1, calls))
+    with pytest.raises(memguard.OutOfMemoryError):
+        train()
+    assert [b for b, _ in calls] == [100, 50]
+
+
+def test_giving_up_lists_every_size_with_its_memory_and_chains_the_last_error():
+    train = memguard.oom_retry(batch_size=8)(workload(0, None))
+    with pytest.raises(memguard.OutOfMemoryError) as info:
+        train()
+    err = info.value
+    assert [a.batch_size for a in err.attempts] == [8, 4, 2, 1]
+    text = str(err)
+    assert "out of memory at every batch_size tried: 8 (host " in text
+    assert "; 4 (host" in text and "; 1 (host" in text
+    assert isinstance(err.__cause__, RuntimeError)
+    assert "DefaultCPUAllocator" in str(err.__cause__)
+    assert memguard.is_oom_error(err) and isinstance(err, MemoryError)
+
+
+def test_other_exceptions_propagate_untouched_with_their_traceback():
+    calls = []
+    error = ValueError("bad labels")
+
+    @memguard.oom_retry(batch_size=16)
+    def train(batch_size):
+        calls.append(batch_size)
+        raise error
+
+    with pytest.raises(ValueError) as info:
+        train()
+    assert info.value is error and calls == [16]
+    assert info.traceback[-1].name == "train"
+    assert info.value.__cause__ is None and info.value.__context__ is None
+
+
+def test_keep_effective_batch_passes_accumulation_steps():
+    calls = []
+    train = memguard.oom_retry(batch_size=100, keep_effective_batch=True)(workload(30, calls))
+    assert train() == 25
+    assert calls == [(100, 1), (50, 2), (25, 4)]
+    for size, steps in calls:
+        assert size * steps >= 100 and steps == math.ceil(100 / size)
+    assert train.history[-1].accumulation_steps == 4
+
+
+def test_keep_effective_batch_with_a_named_accumulation_parameter():
+    seen = []
+
+    @memguard.oom_retry(batch_size=10, keep_effective_batch=True, accumulation_arg="accum")
+    def train(batch_size, accum=1):
+        seen.append((batch_size, accum))
+        workload(3)(batch_size)
+
+    train()
+    assert seen == [(10, 1), (5, 2), (2, 5)]
+
+
+def test_on_retry_runs_after_cleanup_before_the_next_attempt(caplog):
+    events = []
+
+    def on_retry(attempt):
+        events.append(("retry", attempt.batch_size, attempt.ok))
+
+    @memguard.oom_retry(batch_size=40, on_retry=on_retry)
+    def train(batch_size):
+        events.append(("attempt", batch_size))
+        return workload(10)(batch_size)
+
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        train()
+    assert events == [("attempt", 40), ("retry", 40, False), ("attempt", 20),
+                      ("retry", 20, False), ("attempt", 10)]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "train: out of memory (torch CPU allocator)" in warnings[0].getMessage()
+    assert "at batch_size=40; host " in warnings[0].getMessage()
+    assert "retrying at batch_size=20" in warnings[0].getMessage()
+
+
+def test_methods_and_async_functions():
+    class Trainer:
+        def __init__(self):
+            self.sizes = []
+
+        @memguard.oom_retry(batch_size=32)
+        def fit(self, batch_size):
+            self.sizes.append(batch_size)
+            return workload(8)(batch_size)
+
+        @memguard.oom_retry(batch_size=32)
+        async def afit(self, batch_size):
+            await asyncio.sleep(0)
+            self.sizes.append(batch_size)
+            return workload(4)(batch_size)
+
+    trainer = Trainer()
+    assert trainer.fit() == 8 and trainer.sizes == [32, 16, 8]
+    assert trainer.fit.batch_size == 8 and Trainer.fit.batch_size == 8
+    assert [a.batch_size for a in trainer.fit.history] == [32, 16, 8]
+    assert trainer.fit() == 8 and [a.batch_size for a in Trainer.fit.history] == [8]
+    assert inspect.iscoroutinefunction(Trainer.afit)
+    assert asyncio.run(trainer.afit()) == 4
+    assert [a.ok for a in trainer.afit.history] == [False, False, False, True]
+
+
+def test_signature_and_metadata_are_kept():
+    def train(batch_size: int = 8, *, lr: float = 0.1) -> float:
+        """Train."""
+        return lr
+
+    wrapped = memguard.oom_retry(train)
+    assert inspect.signature(wrapped) == inspect.signature(train)
+    assert wrapped.__name__ == "train" and wrapped.__doc__ == "Train." and wrapped() == 0.1
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"batch_size": 0}, ValueError, "batch_size must be a positive int, got 0"),
+    ({"batch_size": 2.5}, ValueError, "batch_size must be a positive int"),
+    ({"batch_size": 8, "min_batch_size": 16}, ValueError, "min_batch_size=16 is larger"),
+    ({"factor": 1.0}, ValueError, "factor must be a number between 0 and 1"),
+    ({"factor": 0}, ValueError, "factor"),
+    ({"max_attempts": 0}, ValueError, "max_attempts"),
+    ({"sync": "sometimes"}, ValueError, "sync must be"),
+])
+def test_bad_options_are_refused_at_decoration(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        memguard.oom_retry(**kwargs)(lambda batch_size: None)
+
+
+def test_a_function_without_the_parameter_is_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"train\(\) has no parameter 'batch_size'"):
+        @memguard.oom_retry
+        def train(n):
+            pass
+    with pytest.raises(TypeError, match="keep_effective_batch needs a parameter"):
+        @memguard.oom_retry(keep_effective_batch=True)
+        def fit(batch_size):
+            pass
+    with pytest.raises(TypeError, match="generator"):
+        @memguard.oom_retry
+        def gen(batch_size):
+            yield batch_size
+
+
+def test_bad_sizes_at_call_time():
+    @memguard.oom_retry(min_batch_size=4)
+    def train(batch_size):
+        return batch_size
+
+    with pytest.raises(TypeError, match="got no batch_size"):
+        train()
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got -3"):
+        train(-3)
+    with pytest.raises(ValueError, match="min_batch_size=4 is larger than the starting"):
+        train(2)
