@@ -29,6 +29,6 @@ ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS"
        "TF_NUM_INTRAOP_THREADS": "1"}
 
 
-def script(body: str) -> str:
-    """The prelude followed by ``body`` (dedented)."""
-    return PRELUDE + textwrap.dedent(body)
+def script(*parts: str) -> str:
+    """The prelude followed by ``parts``, each dedented on its own."""
+    return PRELUDE + "".join(textwrap.dedent(part) for part in parts)

@@ -1,0 +1,91 @@
+"""Ranks agree: three gloo processes on this machine, one with a smaller memory budget.
+
+A hang is the failure this guards against, so every run has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from budget import ENV, script
+
+pytestmark = pytest.mark.slow
+
+WORKER = """
+import torch, torch.distributed as dist
+import memguard
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+UNIT = 50 * 2**20 // 4
+
+def attempt(batch_size):
+    first = torch.ones(batch_size * UNIT)
+    second = torch.ones(batch_size * UNIT)
+    return batch_size
+
+memguard.oom_retry(batch_size=1)(attempt)()  # warm up: torch, gloo's buffers and threads
+memguard.free_memory()
+set_budget(300 if rank == 1 else 1500)  # rank 1 fits 2 x 50 MiB x 2 only
+
+train = memguard.oom_retry(batch_size=8)(attempt)
+result = train()
+sizes = [a.batch_size for a in train.history]
+again = train()
+found = memguard.find_batch_size(attempt, start=1, max_batch_size=16)
+
+@memguard.oom_retry(batch_size=4)
+def broken(batch_size):
+    if rank == 2:
+        raise ValueError("rank 2 has bad data")
+    return attempt(batch_size)
+
+try:
+    broken()
+    broken_outcome = "returned"
+except ValueError as exc:
+    broken_outcome = "ValueError: " + str(exc)
+except memguard.MemguardError as exc:
+    broken_outcome = "MemguardError: " + str(exc)
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "result": result, "sizes": sizes,
+                  "again": len(train.history), "found": found, "broken": broken_outcome}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_three_ranks_retry_together_and_finish_alike():
+    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="3", TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-c", script(WORKER)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(env, RANK=str(rank))) for rank in range(3)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # a hang fails the test instead of the suite
+    for out in outputs:
+        assert out["result"] == 2 and out["sizes"] == [8, 4, 2], outputs
+        assert out["again"] == 1  # the cached size, on every rank
+        assert out["found"] == outputs[1]["found"]  # everyone adopts the smallest rank's size
+    assert 1 <= outputs[1]["found"] < 4
+    assert outputs[2]["broken"] == "ValueError: rank 2 has bad data"
+    for rank in (0, 1):
+        assert outputs[rank]["broken"].startswith("MemguardError: broken: another rank failed")

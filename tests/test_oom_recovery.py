@@ -1,0 +1,192 @@
+"""Recovery from real out-of-memory errors, in subprocesses with a memory budget.
+
+Each attempt at batch size N allocates N x 50 MiB, keeps it, then allocates as much again.
+Under a 650 MiB budget size 8 fails halfway (holding 400 MiB) and size 4 fits (400 MiB), but
+only if the 400 MiB the failed attempt held is released first: the controls show that the
+usual recipes, which clean up inside ``except``, do not manage that.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from budget import ENV, script
+
+pytestmark = pytest.mark.slow
+
+TORCH_SETUP = """
+import torch, memguard
+torch.set_num_threads(1)
+UNIT = 50 * 2**20 // 4
+
+def attempt(batch_size, cycle=False):
+    first = torch.ones(batch_size * UNIT)
+    if cycle:
+        holder = [first]
+        holder.append(holder)  # only a garbage collection frees it
+        del first
+    second = torch.ones(batch_size * UNIT)
+    return batch_size
+
+attempt(1)
+memguard.free_memory()
+set_budget(650)
+"""
+
+
+def test_failed_attempt_is_released_before_the_next_one(python_in_subprocess):
+    out = python_in_subprocess(script(TORCH_SETUP, """
+        plain = memguard.oom_retry(batch_size=8)(attempt)
+        cyclic = memguard.oom_retry(batch_size=8)(lambda batch_size: attempt(batch_size, True))
+        results = {}
+        for name, fn in [("plain", plain), ("cycle", cyclic)]:
+            value = fn()
+            results[name] = {"value": value, "sizes": [a.batch_size for a in fn.history],
+                             "errors": [a.error for a in fn.history]}
+            second = fn()
+            results[name]["second_attempts"] = len(fn.history)
+        print(json.dumps(results))
+    """), env=ENV, timeout=300)
+    for name in ("plain", "cycle"):
+        assert out[name]["value"] == 4, out
+        assert out[name]["sizes"] == [8, 4]
+        assert "torch CPU allocator" in out[name]["errors"][0]
+        assert out[name]["second_attempts"] == 1  # the cached size: no failed attempt
+
+
+def test_the_usual_recipes_fail_where_oom_retry_succeeds(python_in_subprocess):
+    """Controls: cleaning up inside ``except`` (Accelerate's way) leaves the cycle alive for
+    the next attempt; retrying inside ``except`` keeps even the plain attempt's frame."""
+    out = python_in_subprocess(script(TORCH_SETUP, """
+        def cleanup_inside_except(cycle):
+            size, tried = 8, []
+            while size >= 1:
+                tried.append(size)
+                try:
+                    return attempt(size, cycle), tried
+                except RuntimeError:
+                    gc.collect()
+                    memguard.free_memory()
+                    size //= 2
+            return None, tried
+
+        def retry_inside_except(size, tried):
+            tried.append(size)
+            try:
+                return attempt(size), tried
+            except RuntimeError:
+                gc.collect()
+                memguard.free_memory()
+                if size == 1:
+                    return None, tried
+                return retry_inside_except(size // 2, tried)
+
+        first = cleanup_inside_except(True)
+        memguard.free_memory()
+        second = retry_inside_except(8, [])
+        print(json.dumps({"inside_except_cycle": first, "retry_inside_except": second}))
+    """), env=ENV, timeout=300)
+    assert out["inside_except_cycle"][1][:2] == [8, 4] and out["inside_except_cycle"][0] != 4
+    assert out["retry_inside_except"][1][:2] == [8, 4] and out["retry_inside_except"][0] != 4
+
+
+def test_find_batch_size_returns_the_exact_boundary(python_in_subprocess):
+    out = python_in_subprocess(script(TORCH_SETUP, """
+        SMALL = 2**20 // 4  # 1 MiB per sample: the boundary is about 300 samples
+
+        def step(batch_size):
+            first = torch.ones(batch_size * SMALL)
+            second = torch.ones(batch_size * SMALL)
+
+        found = memguard.find_batch_size(step, start=8)
+        power = memguard.find_batch_size(step, start=8, mode="power")
+        with_margin = memguard.find_batch_size(step, start=8, margin=0.1)
+        fits = []
+        for size in (found, found + 1):
+            try:
+                step(size)
+                fits.append(True)
+            except RuntimeError:
+                fits.append(False)
+        print(json.dumps({"found": found, "power": power, "margin": with_margin,
+                          "fits": fits}))
+    """), env=ENV, timeout=300)
+    assert out["fits"] == [True, False]  # the largest size that fits, exactly
+    assert 200 < out["found"] < 330
+    assert out["power"] in (128, 256) and out["power"] <= out["found"]
+    assert out["margin"] == int(out["found"] * 0.9)
+
+
+def test_find_batch_size_gives_up_when_even_start_fails(python_in_subprocess):
+    out = python_in_subprocess(script(TORCH_SETUP, """
+        try:
+            memguard.find_batch_size(attempt, start=16)
+            print(json.dumps(None))
+        except memguard.OutOfMemoryError as err:
+            print(json.dumps({"message": str(err), "sizes": [a.batch_size for a in err.attempts]}))
+    """), env=ENV, timeout=300)
+    assert out["sizes"] == [16] and "even start=16 ran out of memory" in out["message"]
+
+
+def test_map_batches_never_recomputes_a_finished_batch(python_in_subprocess):
+    out = python_in_subprocess(script(TORCH_SETUP, """
+        data = torch.arange(40, dtype=torch.float32)
+        calls = []
+
+        def fn(batch):
+            calls.append((int(batch[0]), len(batch)))
+            attempt(len(batch))
+            return batch * 2
+
+        result = memguard.map_batches(fn, data, batch_size=8, collate=torch.cat)
+        done = [c for c in calls if c[1] <= 4]
+        print(json.dumps({"equal": bool(torch.equal(result, data * 2)), "calls": calls}))
+    """), env=ENV, timeout=300)
+    assert out["equal"]
+    calls = out["calls"]
+    assert calls[0] == [0, 8]  # failed: 8 x 50 MiB twice does not fit
+    successful = calls[1:]
+    assert all(size == 4 for _, size in successful)
+    assert [start for start, _ in successful] == list(range(0, 40, 4))  # each item once
+
+
+TF_SETUP = """
+import tensorflow as tf
+import memguard
+UNIT = 50 * 2**20 // 4
+
+@tf.function
+def doubled(x):
+    return x * 2.0  # the output is allocated inside the graph
+
+def graph_attempt(batch_size):
+    first = tf.fill([batch_size * UNIT], 1.0)
+    second = doubled(first)
+    return batch_size
+
+def eager_attempt(batch_size):
+    first = tf.fill([batch_size * UNIT], 1.0)
+    second = tf.fill([batch_size * UNIT], 2.0)
+    return batch_size
+
+eager_attempt(1), graph_attempt(1)
+memguard.free_memory()
+set_budget(650)
+"""
+
+
+def test_tensorflow_eager_and_tf_function(python_in_subprocess):
+    out = python_in_subprocess(script(TF_SETUP, """
+        eager = memguard.oom_retry(batch_size=8)(eager_attempt)
+
+        graph = memguard.oom_retry(batch_size=8)(graph_attempt)
+
+        results = {}
+        for name, fn in [("eager", eager), ("graph", graph)]:
+            results[name] = {"value": fn(), "sizes": [a.batch_size for a in fn.history],
+                             "error": fn.history[0].error}
+        print(json.dumps(results))
+    """), env=ENV, timeout=300)
+    for name in ("eager", "graph"):
+        assert out[name]["value"] == 4 and out[name]["sizes"] == [8, 4], out
+        assert "TensorFlow allocator" in out[name]["error"]
