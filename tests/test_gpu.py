@@ -111,3 +111,31 @@ def test_frees_memory_keeps_a_cuda_training_step_flat():
     finally:
         gc.enable()
     assert torch.cuda.memory_allocated() - start < 8 * MiB
+
+
+def test_oom_retry_recovers_from_a_real_cuda_oom():
+    total = torch.cuda.mem_get_info()[1]
+    per_sample = total // 16  # 16 samples fill the GPU: 32 cannot fit, 4 can
+    ooms_before = torch.cuda.memory_stats().get("num_ooms", 0)
+
+    @memguard.oom_retry(batch_size=32)
+    def step(batch_size):
+        block = torch.empty(batch_size * per_sample, dtype=torch.uint8, device="cuda")
+        block.fill_(1)
+        return batch_size
+
+    found = step()
+    assert found <= 8 and step.history[0].ok is False
+    assert "CUDA caching allocator" in step.history[0].error or "torch.OutOfMemoryError" in \
+        step.history[0].error
+    assert torch.cuda.memory_stats()["num_ooms"] > ooms_before
+    memguard.free_memory()
+    assert torch.cuda.memory_reserved() < total // 8
+
+
+def test_is_oom_error_on_a_real_cuda_oom():
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    except Exception as exc:  # noqa: BLE001
+        assert memguard.is_oom_error(exc)
+        assert isinstance(exc, torch.OutOfMemoryError)
