@@ -12,10 +12,12 @@ from .backends import DeviceMemory, activate, list_devices
 from .batching import find_batch_size, map_batches
 from .cleanup import free_memory
 from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
+from .history import RecordHistory, record_history
 from .inference import InferenceMode, inference_mode
 from .retry import Attempt, oom_retry
 from .scope import MemoryScope, frees_memory, memory_scope
 from .snapshot import MemorySnapshot, snapshot
+from .tensors import TensorInfo, live_tensors, memory_report
 
 __version__ = "0.1.0"
 
@@ -23,5 +25,6 @@ __all__ = [
     "Attempt", "DeviceMemory", "InferenceMode", "MemguardError", "MemoryLeakError",
     "MemoryScope", "MemorySnapshot", "OutOfMemoryError", "activate", "find_batch_size",
     "format_bytes", "free_memory", "frees_memory", "inference_mode", "is_oom_error",
-    "list_devices", "map_batches", "memory_scope", "oom_retry", "parse_size", "snapshot",
+    "list_devices", "live_tensors", "map_batches", "memory_report", "memory_scope",
+    "oom_retry", "parse_size", "record_history", "RecordHistory", "snapshot", "TensorInfo",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
@@ -21,6 +22,7 @@ from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync
 from .errors import MemguardError, OutOfMemoryError, oom_kind
+from .history import dump, start_recording, stop_recording
 from .snapshot import MemorySnapshot, snapshot
 
 log = logging.getLogger("memguard")
@@ -34,7 +36,8 @@ class Attempt:
     ``batch_size`` and ``accumulation_steps`` (``None`` unless ``keep_effective_batch``) it ran
     with; ``ok``; ``error``, the out-of-memory's text (or why a peer rank failed); ``seconds``;
     ``memory``, a snapshot taken at the failure, while the failed attempt still held its
-    memory (``None`` for a success).
+    memory (``None`` for a success); ``snapshot_path``, the CUDA memory snapshot written for
+    the failure with ``oom_retry(snapshot_dir=...)``.
 
     >>> from memguard import Attempt
     >>> str(Attempt(64, None, True, None, 0.5, None))
@@ -47,6 +50,7 @@ class Attempt:
     error: Optional[str]
     seconds: float
     memory: Optional[MemorySnapshot] = None
+    snapshot_path: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
@@ -98,7 +102,8 @@ class _Config:
     def __init__(self, func: Callable[..., Any], batch_size: Optional[int], arg: str,
                  min_batch_size: int, factor: float, max_attempts: Optional[int],
                  keep_effective_batch: bool, accumulation_arg: str, cache: bool, sync: Sync,
-                 on_retry: Optional[Callable[[Attempt], Any]]) -> None:
+                 on_retry: Optional[Callable[[Attempt], Any]],
+                 snapshot_dir: Optional[str]) -> None:
         self.name = name_of(func)
         target = getattr(func, "__func__", func)
         params = inspect.signature(target).parameters
@@ -121,6 +126,7 @@ class _Config:
         self.cache = cache
         self.sync = sync
         self.on_retry = on_retry
+        self.snapshot_dir = snapshot_dir
         if sync not in (True, False, "auto"):
             raise ValueError(f"oom_retry: sync must be True, False or 'auto', got {sync!r}")
         if on_retry is not None and not callable(on_retry):
@@ -160,7 +166,22 @@ class _Run:
         self.attempts: list[Attempt] = []
         state.history = self.attempts
         self.started = 0.0
-        self.final: Optional[BaseException] = None
+        self.recording = bool(cfg.snapshot_dir) and start_recording(100_000)
+
+    def close(self) -> None:
+        """The call is over, however it ended."""
+        if self.recording:
+            self.recording = False
+            stop_recording()
+
+    def _dump(self) -> Optional[str]:
+        if not self.recording:
+            return None
+        name = self.cfg.name.replace("<", "").replace(">", "").replace(".", "-")
+        path = os.path.join(str(self.cfg.snapshot_dir),
+                            f"{name}-attempt{len(self.attempts) + 1}-{self.cfg.arg}{self.size}"
+                            f".pickle")
+        return dump(path)
 
     # -- one attempt -----------------------------------------------------------------------
     def steps(self) -> Optional[int]:
@@ -190,7 +211,7 @@ class _Run:
         if mine == FAILED:
             return False
         self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
-                                     _safe_snapshot()))
+                                     _safe_snapshot(), self._dump()))
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
                                 f"not an out-of-memory while this one ran out of memory at "
@@ -264,33 +285,39 @@ def _wrap(func: F, cfg: _Config) -> F:
 
     def sync_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
         run = _Run(cfg, state, wrapped, args, kwargs)
-        while True:
-            call_args, call_kwargs = run.arguments()
-            try:
-                result = wrapped(*call_args, **call_kwargs)
-            except BaseException as exc:
-                if not run.failed(exc):
-                    raise
-            else:
-                if run.succeeded():
-                    return result
-                del result
-            run.recover()
+        try:
+            while True:
+                call_args, call_kwargs = run.arguments()
+                try:
+                    result = wrapped(*call_args, **call_kwargs)
+                except BaseException as exc:
+                    if not run.failed(exc):
+                        raise
+                else:
+                    if run.succeeded():
+                        return result
+                    del result
+                run.recover()
+        finally:
+            run.close()
 
     async def async_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
         run = _Run(cfg, state, wrapped, args, kwargs)
-        while True:
-            call_args, call_kwargs = run.arguments()
-            try:
-                result = await wrapped(*call_args, **call_kwargs)
-            except BaseException as exc:
-                if not run.failed(exc):
-                    raise
-            else:
-                if run.succeeded():
-                    return result
-                del result
-            run.recover()
+        try:
+            while True:
+                call_args, call_kwargs = run.arguments()
+                try:
+                    result = await wrapped(*call_args, **call_kwargs)
+                except BaseException as exc:
+                    if not run.failed(exc):
+                        raise
+                else:
+                    if run.succeeded():
+                        return result
+                    del result
+                run.recover()
+        finally:
+            run.close()
 
     class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
         history = property(lambda self: state.history)
@@ -323,7 +350,8 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
               arg: str = "batch_size", min_batch_size: int = 1, factor: float = 0.5,
               max_attempts: Optional[int] = None, keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps", cache: bool = True,
-              sync: Sync = "auto", on_retry: Optional[Callable[[Attempt], Any]] = None) -> Any:
+              sync: Sync = "auto", on_retry: Optional[Callable[[Attempt], Any]] = None,
+              snapshot_dir: Optional[str] = None) -> Any:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -342,6 +370,9 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of
     memory, all retry at the same smaller size, and all finish at the same size after the
     same number of attempts. A ``tf.function`` retraces for each new batch shape.
+
+    With ``snapshot_dir`` CUDA allocations are recorded during the call and a memory snapshot
+    is written there for each failed attempt (see :func:`record_history`).
 
     The decorated function exposes ``history`` (the last call's :class:`Attempt` records),
     ``batch_size`` (the last working size) and ``reset()``.
@@ -367,7 +398,8 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
 
     def decorate(f: F) -> F:
         cfg = _Config(f, batch_size, arg, min_batch_size, factor, max_attempts,
-                      keep_effective_batch, accumulation_arg, cache, sync, on_retry)
+                      keep_effective_batch, accumulation_arg, cache, sync, on_retry,
+                      snapshot_dir)
         return _wrap(f, cfg)
 
     return decorate if func is None else decorate(func)

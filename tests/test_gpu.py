@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -139,3 +140,35 @@ def test_is_oom_error_on_a_real_cuda_oom():
     except Exception as exc:  # noqa: BLE001
         assert memguard.is_oom_error(exc)
         assert isinstance(exc, torch.OutOfMemoryError)
+
+
+def test_record_history_dumps_a_snapshot_when_an_oom_passes(tmp_path):
+    path = tmp_path / "oom.pickle"
+    with pytest.raises(torch.OutOfMemoryError):
+        with memguard.record_history(str(path)) as recorder:
+            keep = torch.ones(1024, device="cuda")  # noqa: F841
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    assert recorder.dumped == str(path) and path.stat().st_size > 0
+    quiet = tmp_path / "quiet.pickle"
+    with memguard.record_history(str(quiet)):
+        torch.ones(10, device="cuda")
+    assert not quiet.exists()
+    always = tmp_path / "always.pickle"
+    with memguard.record_history(str(always), on_oom_only=False):
+        torch.ones(10, device="cuda")
+    assert always.stat().st_size > 0
+
+
+def test_oom_retry_writes_one_snapshot_per_failed_attempt(tmp_path):
+    total = torch.cuda.mem_get_info()[1]
+
+    @memguard.oom_retry(batch_size=64, snapshot_dir=str(tmp_path))
+    def step(batch_size):
+        torch.empty(batch_size * (total // 16), dtype=torch.uint8, device="cuda").fill_(1)
+        return batch_size
+
+    step()
+    failed = [a for a in step.history if not a.ok]
+    assert failed and all(a.snapshot_path and os.path.getsize(a.snapshot_path) > 0
+                          for a in failed)
+    assert len(list(tmp_path.iterdir())) == len(failed)

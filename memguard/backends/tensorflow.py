@@ -92,3 +92,36 @@ def clear_keras_session() -> bool:
         return False
     keras.backend.clear_session()
     return True
+
+
+# -- tensors ------------------------------------------------------------------------------------
+def tensor_types() -> set[type]:
+    """TensorFlow's eager tensor and variable classes (graph tensors hold no memory)."""
+    tf = _tf()
+    from tensorflow.python.framework import ops
+
+    found, stack = set(), [ops.EagerTensor, tf.Variable]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(cls.__subclasses__())
+    return found
+
+
+def _device(name: str) -> str:
+    """``/job:localhost/replica:0/task:0/device:CPU:0`` -> ``cpu``; ``...GPU:1`` -> ``GPU:1``."""
+    short = name.rsplit("device:", 1)[-1] if name else "CPU:0"
+    return "cpu" if short.upper().startswith("CPU") else short
+
+
+def tensor_facts(tensor: Any) -> Optional[tuple]:
+    """(device, dtype, shape, storage key, bytes, is_view) of an eager tensor or variable."""
+    try:
+        shape = tuple(tensor.shape.as_list())
+        count = tensor.shape.num_elements()
+        dtype = tensor.dtype
+        nbytes = None if count is None else count * dtype.size
+        return (_device(tensor.device), dtype.name, shape, ("tf", id(tensor)), nbytes or 0, False)
+    except (ValueError, AttributeError, RuntimeError, TypeError):
+        return None

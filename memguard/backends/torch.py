@@ -191,3 +191,67 @@ def exit_inference(state: Optional[InferenceState]) -> None:
         state.context.__exit__(None, None, None)
     finally:
         _restore(state.flags)
+
+
+# -- tensors ------------------------------------------------------------------------------------
+def _subclasses(root: type) -> set[type]:
+    found, stack = set(), [root]
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(cls.__subclasses__())
+    return found
+
+
+def tensor_types() -> set[type]:
+    """``torch.Tensor`` and every subclass defined now (Parameter, Buffer, ...)."""
+    return _subclasses(_torch().Tensor)
+
+
+TensorFacts = tuple  # (device, dtype, shape, storage key, storage bytes, is_view)
+
+
+def tensor_facts(tensor: Any) -> Optional[TensorFacts]:
+    """What a census needs of one tensor; ``None`` for tensors without real storage."""
+    try:
+        storage = tensor.untyped_storage()
+        device = tensor.device
+        name = device.type if device.index is None else f"{device.type}:{device.index}"
+        return (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape),
+                (name, storage.data_ptr()), storage.nbytes(), tensor._is_view())
+    except (RuntimeError, NotImplementedError, TypeError):  # meta, fake, sparse tensors
+        return None
+
+
+def parameter_names(model: Any) -> dict[int, str]:
+    """``id(tensor) -> qualified name`` for a module's parameters, their grads and buffers."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        names[id(param)] = name
+        if param.grad is not None:
+            names[id(param.grad)] = name + ".grad"
+    for name, buffer in model.named_buffers():
+        names[id(buffer)] = name
+    return names
+
+
+def history_supported() -> bool:
+    """Whether CUDA memory history can be recorded here."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available()
+
+
+def start_history(max_entries: int) -> None:
+    """Start recording CUDA allocation history (stack traces included)."""
+    _torch().cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_history(path: str) -> None:
+    """Write the recorded history as a snapshot pickle (for PyTorch's memory_viz page)."""
+    _torch().cuda.memory._dump_snapshot(path)
+
+
+def stop_history() -> None:
+    """Stop recording CUDA allocation history."""
+    _torch().cuda.memory._record_memory_history(enabled=None)

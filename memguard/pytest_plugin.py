@@ -1,0 +1,126 @@
+"""memguard's pytest plugin: fail tests that leak memory, and a fixture to measure a test.
+
+Installed with memguard (entry point ``pytest11``); ``-p no:memguard`` turns it off.
+
+- ``@pytest.mark.memguard(max_leak="1MiB", max_peak=None, devices=None)``: run the test in a
+  :func:`memguard.memory_scope` that tracks tensors; fail it when a device retained more than
+  ``max_leak`` after cleanup, or rose more than ``max_peak`` above its level at the start.
+- ``--memguard-max-leak=SIZE``: the same check, with that limit, for every test.
+- the ``memguard_scope`` fixture: the scope of the running test; ``memguard_scope.close()``
+  ends it early so that the test can assert on ``retained`` and ``peak`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from ._units import format_bytes, parse_size
+from .scope import MemoryScope
+
+_SCOPE = pytest.StashKey[MemoryScope]()
+_LIMITS = pytest.StashKey[tuple]()
+DEFAULT_MAX_LEAK = "1MiB"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("memguard", "memory limits for tests")
+    group.addoption("--memguard-max-leak", metavar="SIZE", default=None,
+                    help="fail every test that leaves more than SIZE (e.g. 1MiB) on a device")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "memguard(max_leak='1MiB', max_peak=None, devices=None): fail the test when it leaves "
+        "more than max_leak allocated on a device, or rises more than max_peak above its "
+        "starting level")
+    option = config.getoption("--memguard-max-leak")
+    if option is not None:
+        try:
+            parse_size(option, "--memguard-max-leak")
+        except (TypeError, ValueError) as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+
+def _limits(item: pytest.Item) -> Optional[tuple[Optional[int], Optional[int], Any]]:
+    """``(max_leak, max_peak, devices)`` for the item, or None when it is not guarded."""
+    if _LIMITS in item.stash:
+        return item.stash[_LIMITS]
+    marker = item.get_closest_marker("memguard")
+    option = item.config.getoption("--memguard-max-leak")
+    if marker is None and option is None:
+        limits = None
+    else:
+        kwargs = dict(marker.kwargs) if marker is not None else {}
+        unknown = set(kwargs) - {"max_leak", "max_peak", "devices"}
+        if unknown or (marker is not None and marker.args):
+            raise pytest.UsageError(f"{item.nodeid}: the memguard marker takes max_leak, "
+                                    f"max_peak and devices as keywords, got "
+                                    f"{marker.args if marker else ()} {sorted(unknown)}")
+        max_leak = kwargs.get("max_leak", option if marker is None else DEFAULT_MAX_LEAK)
+        max_peak = kwargs.get("max_peak")
+        limits = (None if max_leak is None else parse_size(max_leak, "max_leak"),
+                  None if max_peak is None else parse_size(max_peak, "max_peak"),
+                  kwargs.get("devices"))
+    item.stash[_LIMITS] = limits
+    return limits
+
+
+def _scope_for(item: pytest.Item) -> MemoryScope:
+    if _SCOPE not in item.stash:
+        limits = _limits(item)
+        devices = limits[2] if limits else None
+        item.stash[_SCOPE] = MemoryScope(item.name, devices=devices, track_tensors=True)
+    return item.stash[_SCOPE]
+
+
+@pytest.fixture
+def memguard_scope(request: pytest.FixtureRequest) -> MemoryScope:
+    """The memory scope of the running test (it opens when the test body starts)."""
+    return _scope_for(request.node)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
+    limits = _limits(item)
+    if limits is None and _SCOPE not in item.stash:
+        return (yield)
+    scope = _scope_for(item)
+    scope.__enter__()
+    try:
+        result = yield
+    except BaseException:
+        scope.close()
+        raise
+    scope.close()
+    if limits is not None:
+        failure = _failure(item, scope, limits)
+        if failure:
+            pytest.fail(failure, pytrace=False)
+    return result
+
+
+def _failure(item: pytest.Item, scope: MemoryScope,
+             limits: tuple[Optional[int], Optional[int], Any]) -> str:
+    """The short failure text: a line per offending device, then the top 3 leaked tensors."""
+    max_leak, max_peak, _ = limits
+    lines = []
+    for device, retained in scope.retained.items():
+        if max_leak is not None and retained > max_leak:
+            lines.append(f"memguard: {item.name} retained {format_bytes(retained)} on {device} "
+                         f"(max_leak {format_bytes(max_leak)})")
+    if max_peak is not None and scope.before is not None:
+        for device, peak in scope.peak.items():
+            mem = scope.before[device]
+            start = mem.reserved if device == "host" else mem.allocated
+            if peak is not None and start is not None and peak - start > max_peak:
+                lines.append(f"memguard: {item.name} rose {format_bytes(peak - start)} above its "
+                             f"start on {device} (max_peak {format_bytes(max_peak)})")
+    if lines and scope.leaks:
+        for leak in scope.leaks[:3]:
+            holders = leak.holders
+            lines.append(f"  {leak.describe()} {format_bytes(leak.nbytes)} on {leak.device} "
+                         f"held by {holders[0] if holders else 'an unknown holder'}")
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""The pytest plugin, driven through pytest's own ``pytester`` in fresh processes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LEAKY = """
+import pytest
+import torch
+
+CACHE = []
+
+
+@pytest.mark.memguard(max_leak="16MiB")
+def test_leaks():
+    CACHE.append(torch.ones(64 * 2**20 // 4))
+
+
+@pytest.mark.memguard(max_leak="16MiB")
+def test_clean():
+    torch.ones(64 * 2**20 // 4).sum()
+
+
+@pytest.mark.memguard(max_leak="256MiB")
+def test_within_its_limit():
+    CACHE.append(torch.ones(32 * 2**20 // 4))
+
+
+def test_unguarded_leak():
+    CACHE.append(torch.ones(32 * 2**20 // 4))
+"""
+
+
+def test_marker_fails_a_leaking_test_with_a_short_message(pytester):
+    pytester.makepyfile(test_leaky=LEAKY)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    out = result.stdout.str()
+    failure = out.split("test_leaks _")[1].split("short test summary")[0]
+    lines = [line.strip("_= ") for line in failure.strip().splitlines()]
+    assert lines[1].startswith("memguard: test_leaks retained ")
+    assert lines[1].endswith(" MiB on host (max_leak 16.0 MiB)")
+    assert lines[2] == ("float32[16777216] 64.0 MiB on cpu held by module test_leaky, "
+                        "global CACHE[0]")
+    assert len(lines) <= 4  # short: no traceback, no tensor dump
+
+
+def test_command_line_limit_applies_to_every_test(pytester):
+    pytester.makepyfile(test_leaky=LEAKY)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=8MiB",
+                                           "-k", "unguarded or clean")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "memguard: test_unguarded_leak retained" in result.stdout.str()
+    assert "(max_leak 8.0 MiB)" in result.stdout.str()
+
+
+def test_plugin_can_be_turned_off(pytester):
+    pytester.makepyfile(test_leaky=LEAKY)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:memguard")
+    result.assert_outcomes(passed=4)
+
+
+def test_max_peak_and_devices(pytester):
+    pytester.makepyfile(test_peak="""
+        import pytest
+        import torch
+
+        @pytest.mark.memguard(max_leak=None, max_peak="32MiB", devices="host")
+        def test_spikes():
+            torch.ones(128 * 2**20 // 4).sum()
+
+        @pytest.mark.memguard(max_peak="256MiB")
+        def test_modest():
+            torch.ones(16 * 2**20 // 4).sum()
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "memguard: test_spikes rose " in result.stdout.str()
+    assert " above its start on host (max_peak 32.0 MiB)" in result.stdout.str()
+
+
+def test_fixture_lets_a_test_assert_on_its_own_scope(pytester):
+    pytester.makepyfile(test_fixture="""
+        import torch
+
+        KEEP = []
+
+        def test_measures_itself(memguard_scope):
+            assert memguard_scope.before is not None  # open while the test runs
+            KEEP.append(torch.ones(48 * 2**20 // 4))
+            memguard_scope.close()
+            assert memguard_scope.retained["host"] > 40 * 2**20
+            assert memguard_scope.leaks[0].holders == ["module test_fixture, global KEEP[0]"]
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_bad_option_and_marker_arguments_are_usage_errors(pytester):
+    pytester.makepyfile(test_x="""
+        import pytest
+
+        @pytest.mark.memguard("1MiB")
+        def test_positional():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=lots")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "'lots'" in result.stderr.str()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert "memguard marker takes max_leak, max_peak and devices as keywords" in \
+        result.stdout.str() + result.stderr.str()

@@ -1,0 +1,210 @@
+"""The live-tensor census, holder paths and the memory report, on real torch tensors."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import memguard
+from memguard.tensors import find_holders, memory_report
+
+MiB = 1 << 20
+CACHE: list = []
+
+
+class Trainer:
+    def __init__(self):
+        self.history = []
+
+    def step(self):
+        self.history.append(torch.ones(256, 1024))
+
+
+def ids(infos):
+    return {info.id for info in infos}
+
+
+def test_census_finds_tensors_parameters_and_grads_with_their_names():
+    model = torch.nn.Linear(64, 32)
+    model(torch.ones(2, 64)).sum().backward()
+    plain = torch.ones(100, 100)
+    infos = memguard.live_tensors(model=model)
+    by_id = {info.id: info for info in infos}
+    assert id(plain) in by_id and id(model.weight) in by_id and id(model.weight.grad) in by_id
+    assert by_id[id(model.weight)].name == "weight"
+    assert by_id[id(model.weight.grad)].name == "weight.grad"
+    assert by_id[id(model.bias)].name == "bias"
+    info = by_id[id(plain)]
+    assert (info.framework, info.device, info.dtype, info.shape) == ("torch", "cpu", "float32",
+                                                                      (100, 100))
+    assert info.nbytes == 40_000 and not info.is_view and info.name is None
+    assert [i.nbytes for i in infos] == sorted((i.nbytes for i in infos), reverse=True)
+
+
+def test_views_share_their_storage_bytes_once():
+    base = torch.ones(1000, 1000)
+    view, other_view = base[10:], base.view(-1)
+    by_id = {info.id: info for info in memguard.live_tensors()}
+    assert by_id[id(base)].nbytes == 4_000_000 and not by_id[id(base)].is_view
+    assert by_id[id(view)].nbytes == 0 and by_id[id(view)].is_view
+    assert by_id[id(other_view)].nbytes == 0
+
+
+def test_a_view_of_a_temporary_counts_its_storage_once():
+    view = torch.ones(1000, 1000)[500:]  # torch keeps the base's object alive for the view
+    sharing = [i for i in memguard.live_tensors() if i.shape in ((1000, 1000), (500, 1000))]
+    assert sum(i.nbytes for i in sharing) == 4_000_000
+    assert [i.is_view for i in sharing if i.nbytes] == [False]
+    assert view.is_contiguous()
+
+
+def test_device_and_size_filters():
+    big = torch.ones(2 * MiB // 4)
+    on_cpu = memguard.live_tensors("cpu", min_bytes=MiB)
+    assert id(big) in ids(on_cpu) and all(i.nbytes >= MiB for i in on_cpu)
+    assert ids(memguard.live_tensors("host", min_bytes=MiB)) == ids(on_cpu)
+    assert memguard.live_tensors("cuda:0") == [] or torch.cuda.is_available()
+
+
+def test_the_census_keeps_no_tensor_alive():
+    tensor = torch.ones(10)
+    ref = weakref.ref(tensor)
+    infos = memguard.live_tensors()
+    del tensor
+    assert ref() is None
+    info = next(i for i in infos if i._ref is ref or i._ref() is None)
+    assert not info.alive and info.holders == []
+
+
+def test_the_census_survives_weak_proxies_and_odd_objects():
+    class Weird:
+        @property
+        def __class__(self):
+            raise RuntimeError("isinstance breaks here")
+
+    tensor = torch.ones(5)
+    proxy = weakref.proxy(tensor)
+    odd = [Weird()]
+    assert id(tensor) in ids(memguard.live_tensors())
+    del proxy, tensor
+    assert all(info.framework == "torch" for info in memguard.live_tensors()) and odd
+
+
+def test_holder_of_a_module_global_list_element():
+    CACHE.append(torch.ones(321, 7))
+    try:
+        info = next(i for i in memguard.live_tensors() if i.shape == (321, 7))
+        assert f"module {__name__}, global CACHE[0]" in info.holders
+    finally:
+        CACHE.clear()
+
+
+def test_holder_of_a_frame_local():
+    outputs = torch.ones(123, 4)
+    holders = find_holders(outputs)
+    assert "frame test_holder_of_a_frame_local() local 'outputs'" in holders
+
+
+def test_holder_of_an_instance_attribute_and_of_a_module_parameter():
+    trainer = Trainer()
+    trainer.step()
+    trainer.step()
+    holders = find_holders(trainer.history[-1])
+    assert "Trainer object .history[-1]" in holders
+    model = torch.nn.Linear(3, 2)
+    assert "Linear object .weight" in find_holders(model.weight)
+
+
+def test_holder_through_a_dict_and_a_closure():
+    registry = {"logits": torch.ones(9)}
+
+    def make():
+        kept = torch.ones(11)
+        return lambda: kept
+
+    fn = make()
+    assert "frame test_holder_through_a_dict_and_a_closure() local 'registry'['logits']" in \
+        find_holders(registry["logits"])
+    assert any(h.startswith("function") and "closure 'kept'" in h
+               for h in find_holders(fn.__closure__[0].cell_contents))
+
+
+def test_scope_names_leaked_tensors_and_their_holders():
+    trainer = Trainer()
+    with memguard.memory_scope("epoch", track_tensors=True) as scope:
+        CACHE.append(torch.ones(40 * MiB // 4096, 1024))
+        trainer.step()
+        temporary = torch.ones(1000)
+        del temporary
+    try:
+        leaks = scope.leaks
+        assert [leak.shape for leak in leaks[:2]] == [(10240, 1024), (256, 1024)]
+        assert leaks[0].holders[0] == f"module {__name__}, global CACHE[0]"
+        assert "Trainer object .history[0]" in leaks[1].holders
+        text = str(scope)
+        assert (f"retained {memguard.format_bytes(scope.retained['host'])} on host: "
+                f"float32[10240, 1024] held by module {__name__}, global CACHE[0]") in text
+    finally:
+        CACHE.clear()
+
+
+def test_max_leak_error_names_the_holder():
+    with pytest.raises(memguard.MemoryLeakError) as info:
+        with memguard.memory_scope(max_leak="8MiB", track_tensors=True):
+            CACHE.append(torch.ones(64 * MiB // 4))
+    CACHE.clear()
+    assert f"float32[16777216] held by module {__name__}, global CACHE[0]" in str(info.value)
+
+
+def test_untracked_scope_has_no_leaks_and_tensors_made_before_are_not_leaks():
+    before = torch.ones(50)
+    with memguard.memory_scope(track_tensors=True) as scope:
+        before.add_(1)
+    with memguard.memory_scope() as untracked:
+        kept = torch.ones(10)
+    assert scope.leaks == [] and untracked.leaks == [] and kept is not None
+
+
+def test_memory_report_groups_and_totals():
+    blocks = [torch.ones(333, 777) for _ in range(3)]
+    report = memory_report(top=5, device="cpu")
+    lines = report.splitlines()
+    assert lines[0].split() == ["device", "dtype", "shape", "count", "bytes"]
+    assert any("[333, 777]" in line and line.split()[-3] == "3" for line in lines)
+    assert lines[-1].startswith("cpu: ") and "in live tensors" in lines[-1]
+    assert memory_report(device="cuda:3").startswith("no live tensors") or \
+        torch.cuda.device_count() > 3
+    with pytest.raises(ValueError, match="top must be a positive int"):
+        memory_report(top=0)
+    del blocks
+
+
+def test_census_and_holders_are_empty_when_nothing_is_imported(python_in_subprocess):
+    out = python_in_subprocess("""
+        import json, sys
+        import memguard
+        print(json.dumps({"census": memguard.live_tensors(),
+                          "torch": "torch" in sys.modules}))
+    """)
+    assert out == {"census": [], "torch": False}
+
+
+@pytest.mark.slow
+def test_tensorflow_tensors_and_variables_are_counted(python_in_subprocess):
+    out = python_in_subprocess("""
+        import json
+        import tensorflow as tf
+        import memguard
+        KEEP = [tf.ones((100, 50)), tf.Variable(tf.zeros((20, 10)))]
+        infos = {tuple(i.shape): i for i in memguard.live_tensors("cpu")}
+        a, v = infos[(100, 50)], infos[(20, 10)]
+        print(json.dumps({"a": [a.framework, a.dtype, a.nbytes, a.holders],
+                          "v": [v.framework, v.nbytes]}))
+    """)
+    assert out["a"][:3] == ["tensorflow", "float32", 20_000]
+    assert "module __main__, global KEEP[0]" in out["a"][3]
+    assert out["v"] == ["tensorflow", 800]
+    gc.collect()
