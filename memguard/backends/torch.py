@@ -212,14 +212,28 @@ def tensor_types() -> set[type]:
 TensorFacts = tuple  # (device, dtype, shape, storage key, storage bytes, is_view)
 
 
+_names: dict[Any, str] = {}
+
+
+def _name(key: Any) -> str:
+    """``float32`` for ``torch.float32``, ``cuda:0`` for ``device('cuda', 0)``; cached."""
+    name = _names.get(key)
+    if name is None:
+        if isinstance(key, _torch().device):
+            name = key.type if key.index is None else f"{key.type}:{key.index}"
+        else:
+            name = str(key).replace("torch.", "")
+        _names[key] = name
+    return name
+
+
 def tensor_facts(tensor: Any) -> Optional[TensorFacts]:
     """What a census needs of one tensor; ``None`` for tensors without real storage."""
     try:
         storage = tensor.untyped_storage()
-        device = tensor.device
-        name = device.type if device.index is None else f"{device.type}:{device.index}"
-        return (name, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape),
-                (name, storage.data_ptr()), storage.nbytes(), tensor._is_view())
+        device = _name(tensor.device)
+        return (device, _name(tensor.dtype), tensor.shape,  # torch.Size: a tuple
+                (device, storage.data_ptr()), storage.nbytes(), tensor._is_view())
     except (RuntimeError, NotImplementedError, TypeError):  # meta, fake, sparse tensors
         return None
 
