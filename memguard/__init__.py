@@ -11,9 +11,11 @@ from ._units import format_bytes, parse_size
 from .backends import DeviceMemory, activate, list_devices
 from .batching import find_batch_size, map_batches
 from .cleanup import free_memory
+from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_growth
 from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
 from .history import RecordHistory, record_history
 from .inference import InferenceMode, inference_mode
+from .monitor import MemoryMonitor
 from .retry import Attempt, oom_retry
 from .scope import MemoryScope, frees_memory, memory_scope
 from .snapshot import MemorySnapshot, snapshot
@@ -23,7 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Attempt", "DeviceMemory", "InferenceMode", "MemguardError", "MemoryLeakError",
-    "MemoryScope", "MemorySnapshot", "OutOfMemoryError", "activate", "find_batch_size",
+    "MemoryLimit", "MemoryMonitor", "MemoryScope", "MemorySnapshot", "OutOfMemoryError",
+    "activate", "configure_allocator", "find_batch_size", "memory_limit", "tf_memory_growth",
     "format_bytes", "free_memory", "frees_memory", "inference_mode", "is_oom_error",
     "list_devices", "live_tensors", "map_batches", "memory_report", "memory_scope",
     "oom_retry", "parse_size", "record_history", "RecordHistory", "snapshot", "TensorInfo",

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import function_kind, name_of
+from ._events import emit
 from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync
@@ -212,6 +213,7 @@ class _Run:
             return False
         self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
                                      _safe_snapshot(), self._dump()))
+        emit(f"OOM at {self.cfg.arg}={self.size}")
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
                                 f"not an out-of-memory while this one ran out of memory at "

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._decorate import guard, name_of
+from ._events import emit
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import Backend, Devices
 from .cleanup import POLICIES, Pairs, Policy, Readings, Settler, read_all
@@ -132,6 +133,7 @@ class MemoryScope:
             self._tensors_before = tensor_ids()
         self.before = snapshot([d for _, d in self._pairs])
         _book.enter(id(self), self._pairs)
+        emit(f"enter {self._title()}")
         self._start = time.perf_counter()
         return self
 
@@ -157,6 +159,7 @@ class MemoryScope:
     def _finish(self) -> None:
         self.elapsed = time.perf_counter() - self._start
         self._active = False
+        emit(f"exit {self._title()}")
         self.peak = _book.exit(id(self), self._pairs)
         assert self.before is not None
         entry: Readings = {d: (m.allocated, m.reserved) for d, m in self.before.devices.items()}

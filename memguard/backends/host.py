@@ -165,3 +165,29 @@ class HostBackend(Backend):
         self._load_libc()
         if self._libc is not None:
             self._libc.malloc_trim(0)
+
+
+def _vm_size() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def limit_address_space(limit: int) -> tuple[int, int]:
+    """Set a soft ``RLIMIT_AS`` at the current virtual size + ``limit``; return the previous
+    ``(soft, hard)`` limits for :func:`restore_address_space`."""
+    import resource
+
+    previous = resource.getrlimit(resource.RLIMIT_AS)
+    soft = _vm_size() + limit
+    hard = previous[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return previous
+
+
+def restore_address_space(previous: tuple[int, int]) -> None:
+    """Put back the limits :func:`limit_address_space` replaced."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, previous)

@@ -125,3 +125,40 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         return (_device(tensor.device), dtype.name, shape, ("tf", id(tensor)), nbytes or 0, False)
     except (ValueError, AttributeError, RuntimeError, TypeError):
         return None
+
+
+def write_scalars(writer: Any, rows: list[tuple[str, int, float]]) -> None:
+    """Write ``(tag, step, value)`` rows through ``tf.summary`` with ``writer``."""
+    tf = _tf()
+    with writer.as_default():
+        for tag, step, value in rows:
+            tf.summary.scalar(tag, value, step=step)
+    writer.flush()
+
+
+def set_memory_growth(enable: bool) -> int:
+    """Set memory growth on every visible GPU; the number of GPUs. Raises RuntimeError once
+    the runtime has started."""
+    tf = _tf()
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        try:
+            tf.config.experimental.set_memory_growth(gpu, enable)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                "tf_memory_growth: TensorFlow has already initialised its GPUs; call it before "
+                "any TensorFlow op (right after importing TensorFlow), or set "
+                "TF_FORCE_GPU_ALLOW_GROWTH=true in the environment") from exc
+    return len(gpus)
+
+
+def runtime_started() -> bool:
+    """Whether TensorFlow has initialised its runtime (and so its devices)."""
+    return _runtime_started()
+
+
+def device_overview() -> list[dict[str, Any]]:
+    """TensorFlow's GPUs as it sees them (without starting its runtime)."""
+    tf = _tf()
+    return [{"device": d.name.replace("/physical_device:", ""), "name": d.device_type}
+            for d in tf.config.list_physical_devices("GPU")]

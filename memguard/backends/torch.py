@@ -269,3 +269,56 @@ def dump_history(path: str) -> None:
 def stop_history() -> None:
     """Stop recording CUDA allocation history."""
     _torch().cuda.memory._record_memory_history(enabled=None)
+
+
+# -- limits -------------------------------------------------------------------------------------
+def cuda_initialised() -> bool:
+    """Whether this process has initialised CUDA (False when torch is not imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def memory_fraction(index: int) -> float:
+    """The current per-process memory fraction of a CUDA device (1.0 where torch cannot
+    tell)."""
+    getter = getattr(_torch().cuda, "get_per_process_memory_fraction", None)
+    try:
+        return float(getter(index)) if getter is not None else 1.0
+    except RuntimeError:
+        return 1.0
+
+
+def set_memory_fraction(index: int, fraction: float) -> None:
+    """Cap the caching allocator of CUDA device ``index`` at ``fraction`` of its memory."""
+    _torch().cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def cuda_total(index: int) -> int:
+    """Total memory of CUDA device ``index`` (initialises CUDA)."""
+    return int(_torch().cuda.get_device_properties(index).total_memory)
+
+
+def available_cuda_device() -> Optional[str]:
+    """``"cuda:N"`` (the current device) when torch is imported and sees a GPU, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def device_overview() -> list[dict[str, Any]]:
+    """Each accelerator torch sees (initialising it): name, total, used and free bytes."""
+    torch = _torch()
+    out = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(index)
+            out.append({"device": f"cuda:{index}", "name": torch.cuda.get_device_name(index),
+                        "total": int(total), "used": int(total - free), "free": int(free)})
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        total = getattr(torch.mps, "recommended_max_memory", lambda: None)()
+        used = int(torch.mps.driver_allocated_memory())
+        out.append({"device": "mps", "name": "Apple MPS", "total": total, "used": used,
+                    "free": None if total is None else int(total) - used})
+    return out

@@ -1,0 +1,3 @@
+from memguard.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Labelled moments (a scope opening, an out-of-memory at some size) for whoever listens.
+
+Running :class:`memguard.MemoryMonitor` instances listen, to draw them on their timeline.
+With no listener, emitting costs one truth test.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+_listeners: list[Callable[[str], None]] = []
+_lock = threading.Lock()
+
+
+def listen(callback: Callable[[str], None]) -> None:
+    """Receive every label emitted from now on."""
+    with _lock:
+        _listeners.append(callback)
+
+
+def unlisten(callback: Callable[[str], None]) -> None:
+    """Stop receiving labels."""
+    with _lock:
+        if callback in _listeners:
+            _listeners.remove(callback)
+
+
+def emit(label: str) -> None:
+    """Hand ``label`` to every listener."""
+    if _listeners:
+        for callback in list(_listeners):
+            callback(label)

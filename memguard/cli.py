@@ -1,0 +1,212 @@
+"""The ``memguard`` command: ``info``, ``watch`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from . import __version__
+from ._units import format_bytes, parse_size
+
+ENVIRONMENT = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+               "TF_FORCE_GPU_ALLOW_GROWTH", "TF_GPU_ALLOCATOR", "TF_ENABLE_ONEDNN_OPTS",
+               "CUDA_VISIBLE_DEVICES", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (every subcommand has ``--help``)."""
+    top = argparse.ArgumentParser(prog="memguard", description="Keep GPU and host memory under "
+                                  "control in PyTorch and TensorFlow programs.")
+    top.add_argument("--version", action="version", version=f"memguard {__version__}")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    info = sub.add_parser("info", help="versions, devices, allocator settings",
+                          description="Versions, each device's memory, and this environment's "
+                                      "allocator settings.")
+    info.add_argument("--json", action="store_true", help="print JSON for machines")
+    info.add_argument("--no-tensorflow", action="store_true",
+                      help="skip TensorFlow (importing it takes seconds)")
+
+    watch = sub.add_parser("watch", help="live memory, one line per sample",
+                           description="Print memory per device every INTERVAL seconds until "
+                                       "Ctrl-C or COUNT samples.")
+    watch.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS")
+    watch.add_argument("--count", type=_positive_int, default=None, metavar="N")
+    watch.add_argument("--pid", type=_positive_int, default=None,
+                       help="watch this process (default: the whole system)")
+
+    demo = sub.add_parser("demo", help="train a small model under a memory budget",
+                          description="Train a small model on synthetic data under a memory "
+                                      "budget, starting at a batch size that does not fit: "
+                                      "oom_retry finds one that does, memory_scope and "
+                                      "MemoryMonitor watch the training.")
+    demo.add_argument("--budget", type=_size, default=parse_size("768MiB"), metavar="SIZE",
+                      help="memory the training may use (default 768MiB)")
+    demo.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
+    demo.add_argument("--plot", default="memguard-demo.png", metavar="PATH",
+                      help="where to write the timeline PNG (default memguard-demo.png)")
+    demo.add_argument("--epochs", type=_positive_int, default=3, help=argparse.SUPPRESS)
+    return top
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "info":
+            return info(args.json, tensorflow=not args.no_tensorflow)
+        if args.command == "watch":
+            return watch(args.interval, args.count, args.pid)
+        import logging
+
+        from .demo import run
+
+        logging.getLogger("memguard").addHandler(logging.NullHandler())  # the demo prints
+        return run(budget=args.budget, framework=args.framework, plot=args.plot,
+                   epochs=args.epochs)
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- info ------------------------------------------------------------------------------------------
+def collect_info(tensorflow: bool = True) -> dict[str, Any]:
+    """What ``memguard info`` shows, as a dict."""
+    import psutil
+
+    from .backends import nvml
+
+    vm = psutil.virtual_memory()
+    data: dict[str, Any] = {
+        "memguard": __version__, "python": platform.python_version(),
+        "platform": platform.platform(), "frameworks": {},
+        "devices": [{"device": "host", "name": platform.processor() or platform.machine(),
+                     "total": int(vm.total), "used": int(vm.total - vm.available),
+                     "free": int(vm.available)}],
+        "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ},
+        "nvml": {"driver": nvml.driver_version(), "gpus": nvml.gpus()},
+    }
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        from .backends import torch as torch_backend
+
+        data["frameworks"]["torch"] = torch.__version__
+        data["devices"] += torch_backend.device_overview()
+    if tensorflow and importlib.util.find_spec("tensorflow") is not None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf
+
+        from .backends import tensorflow as tf_backend
+
+        data["frameworks"]["tensorflow"] = tf.__version__
+        data["tensorflow_gpus"] = tf_backend.device_overview()
+    return data
+
+
+def info(as_json: bool, tensorflow: bool = True) -> int:
+    data = collect_info(tensorflow)
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"memguard {data['memguard']}, Python {data['python']} on {data['platform']}")
+    for name, version in data["frameworks"].items():
+        print(f"{name} {version}")
+    if not tensorflow:
+        print("tensorflow: skipped (--no-tensorflow)")
+    print()
+    rows = [("device", "name", "total", "used", "free")]
+    rows += [(d["device"], str(d.get("name", "")), format_bytes(d.get("total")),
+              format_bytes(d.get("used")), format_bytes(d.get("free"))) for d in data["devices"]]
+    rows += [(f"TF {g['device']}", g["name"], "-", "-", "-")
+             for g in data.get("tensorflow_gpus", [])]
+    print(_table(rows))
+    print()
+    if data["environment"]:
+        print("allocator settings:")
+        for name, value in data["environment"].items():
+            print(f"  {name}={value}")
+    else:
+        print("allocator settings: none in the environment (the frameworks' defaults)")
+    if data["nvml"]["driver"]:
+        print(f"NVIDIA driver {data['nvml']['driver']}")
+        for gpu in data["nvml"]["gpus"]:
+            for pid, used in gpu["processes"].items():
+                print(f"  GPU {gpu['index']}: process {pid} uses {format_bytes(used)}")
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                     for row in rows)
+
+
+# -- watch -----------------------------------------------------------------------------------------
+def watch(interval: float, count: Optional[int], pid: Optional[int]) -> int:
+    import psutil
+
+    from .backends import nvml
+
+    process = None
+    if pid is not None:
+        try:
+            process = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            print(f"memguard watch: no process {pid}", file=sys.stderr)
+            return 1
+    taken = 0
+    while count is None or taken < count:
+        if taken:
+            time.sleep(interval)
+        parts = [time.strftime("%H:%M:%S")]
+        vm = psutil.virtual_memory()
+        if process is not None:
+            try:
+                parts.append(f"pid {pid} rss {format_bytes(process.memory_info().rss)}")
+            except psutil.NoSuchProcess:
+                print(f"memguard watch: process {pid} ended", file=sys.stderr)
+                return 0
+        parts.append(f"host used {format_bytes(vm.total - vm.available)} free "
+                     f"{format_bytes(vm.available)}")
+        for gpu in nvml.gpus(pid):
+            mine = sum(gpu["processes"].values())
+            parts.append(f"GPU {gpu['index']} used {format_bytes(gpu['used'])} free "
+                         f"{format_bytes(gpu['free'])}"
+                         + (f" (pid {format_bytes(mine)})" if pid is not None else ""))
+        print("  ".join(parts), flush=True)
+        taken += 1
+    return 0

@@ -1,0 +1,196 @@
+"""Allocator settings, TensorFlow memory growth, and a smaller device to rehearse on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+from ._units import Size, format_bytes, parse_size
+from .backends.host import limit_address_space, restore_address_space
+from .backends import tensorflow as tf_backend
+from .backends import torch as torch_backend
+
+log = logging.getLogger("memguard")
+ALLOC_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_BACKENDS = ("native", "cudaMallocAsync")
+
+
+def _split_settings(text: str) -> list[tuple[str, str]]:
+    """``"a:1,b:[2,3]"`` -> ``[("a", "1"), ("b", "[2,3]")]`` (commas inside brackets kept)."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    pairs = []
+    for item in items:
+        key, sep, value = item.strip().partition(":")
+        if key and sep:
+            pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def _validated(max_split_size_mb: Any, expandable_segments: Any,
+               garbage_collection_threshold: Any, backend: Any,
+               roundup_power2_divisions: Any) -> dict[str, str]:
+    settings: dict[str, str] = {}
+    if max_split_size_mb is not None:
+        if isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, int) \
+                or max_split_size_mb <= 20:
+            raise ValueError(f"configure_allocator: max_split_size_mb must be an int above 20 "
+                             f"(MiB), got {max_split_size_mb!r}")
+        settings["max_split_size_mb"] = str(max_split_size_mb)
+    if expandable_segments is not None:
+        if not isinstance(expandable_segments, bool):
+            raise ValueError(f"configure_allocator: expandable_segments must be True or False, "
+                             f"got {expandable_segments!r}")
+        settings["expandable_segments"] = str(expandable_segments)
+    if garbage_collection_threshold is not None:
+        value = garbage_collection_threshold
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise ValueError(f"configure_allocator: garbage_collection_threshold must be a "
+                             f"fraction between 0 and 1 (exclusive), got {value!r}")
+        settings["garbage_collection_threshold"] = repr(float(value))
+    if backend is not None:
+        if backend not in _BACKENDS:
+            raise ValueError(f"configure_allocator: backend must be 'native' or "
+                             f"'cudaMallocAsync', got {backend!r}")
+        settings["backend"] = backend
+    if roundup_power2_divisions is not None:
+        value = roundup_power2_divisions
+        if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2, 4, 8, 16):
+            raise ValueError(f"configure_allocator: roundup_power2_divisions must be a power of "
+                             f"two from 1 to 16, got {value!r}")
+        settings["roundup_power2_divisions"] = str(value)
+    return settings
+
+
+def configure_allocator(*, max_split_size_mb: Optional[int] = None,
+                        expandable_segments: Optional[bool] = None,
+                        garbage_collection_threshold: Optional[float] = None,
+                        backend: Optional[str] = None,
+                        roundup_power2_divisions: Optional[int] = None) -> str:
+    """Set PyTorch's caching-allocator options for this process and return the result.
+
+    Validates each value (a ``ValueError`` names the option and its allowed range), merges
+    with what ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` already hold (the new
+    values win), and writes both variables. The allocator reads them when CUDA initialises:
+    called later it warns that the settings cannot take effect in this process.
+
+    >>> import memguard
+    >>> memguard.configure_allocator(expandable_segments=True)  # doctest: +SKIP
+    'expandable_segments:True'
+    """
+    settings = _validated(max_split_size_mb, expandable_segments, garbage_collection_threshold,
+                          backend, roundup_power2_divisions)
+    current = os.environ.get(ALLOC_VARIABLES[0]) or os.environ.get(ALLOC_VARIABLES[1]) or ""
+    merged = dict(_split_settings(current))
+    merged.update(settings)
+    text = ",".join(f"{key}:{value}" for key, value in merged.items())
+    for name in ALLOC_VARIABLES:
+        os.environ[name] = text
+    if torch_backend.cuda_initialised():
+        message = (f"configure_allocator: CUDA is already initialised in this process, so "
+                   f"{text!r} cannot take effect here; call it before the first CUDA "
+                   f"operation, or set PYTORCH_ALLOC_CONF before starting Python")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    log.debug("memguard: allocator settings %s", text)
+    return text
+
+
+def tf_memory_growth(enable: bool = True) -> int:
+    """Set memory growth on every visible TensorFlow GPU, so TensorFlow claims GPU memory
+    as it needs it instead of nearly all of it at start; returns the number of GPUs (0
+    without GPUs or without TensorFlow installed). Once TensorFlow has initialised its GPUs,
+    a ``RuntimeError`` says to call it before any TensorFlow op.
+
+    >>> import memguard
+    >>> memguard.tf_memory_growth()  # doctest: +SKIP
+    0
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"tf_memory_growth: enable must be True or False, got {enable!r}")
+    try:
+        return tf_backend.set_memory_growth(enable)
+    except ImportError:
+        return 0
+
+
+class MemoryLimit:
+    """The context manager :func:`memory_limit` returns."""
+
+    def __init__(self, limit: Size, device: Optional[str] = None) -> None:
+        self.limit = parse_size(limit, "limit")
+        if self.limit <= 0:
+            raise ValueError(f"memory_limit: limit must be positive, got {limit!r}")
+        self.device = device if device is not None else _default_device()
+        kind = self.device.partition(":")[0]
+        if self.device.upper().startswith("GPU"):
+            raise RuntimeError(
+                f"memory_limit: TensorFlow GPUs ({self.device}) can only be limited before "
+                f"TensorFlow initialises them, and not undone: at the start of the program, "
+                f"tf.config.set_logical_device_configuration(tf.config.list_physical_devices("
+                f"'GPU')[0], [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])")
+        if kind not in ("host", "cuda"):
+            raise ValueError(f"memory_limit: device must be 'host', 'cuda' or 'cuda:N', got "
+                             f"{self.device!r}")
+        self._restore: Any = None
+
+    def __enter__(self) -> "MemoryLimit":
+        if self._restore is not None:
+            raise RuntimeError("this memory_limit is already active")
+        if self.device == "host":
+            self._restore = ("host", limit_address_space(self.limit))
+        else:
+            index = int(self.device.partition(":")[2] or 0)
+            total = torch_backend.cuda_total(index)
+            if self.limit > total:
+                raise ValueError(f"memory_limit: {format_bytes(self.limit)} is more than "
+                                 f"{self.device} has ({format_bytes(total)})")
+            previous = torch_backend.memory_fraction(index)
+            torch_backend.set_memory_fraction(index, self.limit / total)
+            self._restore = ("cuda", index, previous)
+        log.debug("memguard: memory limited to %s on %s", format_bytes(self.limit), self.device)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        restore, self._restore = self._restore, None
+        if restore is None:
+            return
+        if restore[0] == "host":
+            restore_address_space(restore[1])
+        else:
+            torch_backend.set_memory_fraction(restore[1], restore[2])
+
+
+def _default_device() -> str:
+    return torch_backend.available_cuda_device() or "host"
+
+
+def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
+    """Rehearse a smaller device: inside the block, ``device`` has only ``limit`` bytes.
+
+    - CUDA (``"cuda"``, ``"cuda:N"``, the default when torch sees a GPU): the caching
+      allocator is capped with ``torch.cuda.set_per_process_memory_fraction(limit / total)``;
+      the previous fraction is restored on exit.
+    - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
+      plus ``limit``, restored on exit. It counts address space, not resident memory, for
+      the whole process (every thread), and works where the kernel enforces it (Linux).
+    - TensorFlow GPUs can only be limited before TensorFlow initialises them, for good: use
+      ``tf.config.set_logical_device_configuration(gpu,
+      [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])`` at the start; memory_limit
+      raises a ``RuntimeError`` that says so.
+
+    >>> import torch, memguard
+    >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP
+    ...     torch.ones(2**28)  # 1 GiB
+    RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...
+    """
+    return MemoryLimit(limit, device)

@@ -1,0 +1,194 @@
+"""``memguard demo``: train a small model under a memory budget, starting too big.
+
+On the best device present (CUDA, MPS, else the CPU) a small network trains on synthetic data
+(nothing is downloaded) inside ``memory_limit(budget)``, starting at a batch size that does
+not fit: ``oom_retry`` finds one that does, printing each retry as it happens; every epoch
+runs in a ``memory_scope`` that tracks tensors, and a ``MemoryMonitor`` records the timeline.
+The exit code says whether everything held: a size was found, the epochs finished, and none
+of them left memory or tensors behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from ._units import format_bytes
+from .config import memory_limit
+from .monitor import MemoryMonitor
+from .retry import Attempt, oom_retry
+from .scope import MemoryScope, memory_scope
+
+FEATURES, HIDDEN, CLASSES = 128, 2048, 10
+SAMPLES = 32768
+START_BATCH = 65536
+LEAK_TOLERANCE = 16 << 20
+
+
+def _say(text: str = "", end: str = "\n") -> None:
+    sys.stdout.write(text + end)
+    sys.stdout.flush()
+
+
+def _progress(epoch: int, epochs: int, done: int, total: int, loss: float) -> None:
+    width = 24
+    filled = int(width * done / total)
+    line = (f"  epoch {epoch}/{epochs} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{done}/{total} batches  loss {loss:.3f}")
+    if sys.stdout.isatty():
+        _say("\r" + line, end="" if done < total else "\n")
+    elif done == total:
+        _say(line)
+
+
+class _Torch:
+    """The torch flavour: an MLP, SGD, cross-entropy."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        if torch.cuda.is_available():
+            self.device = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            self.device = "mps"
+        else:
+            self.device = "cpu"
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, HIDDEN), torch.nn.GELU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(HIDDEN, CLASSES)).to(self.device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        generator = torch.Generator().manual_seed(0)
+        weights = torch.randn(FEATURES, CLASSES, generator=generator)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=generator).to(self.device)
+        self.y = (self.x.cpu() @ weights).argmax(dim=1).to(self.device)
+
+    @property
+    def limit_device(self) -> str:
+        return "host" if self.device in ("cpu", "mps") else "cuda"
+
+    def step(self, start: int, stop: int) -> float:
+        torch = self.torch
+        loss = torch.nn.functional.cross_entropy(self.model(self.x[start:stop]),
+                                                 self.y[start:stop])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+class _TensorFlow:
+    """The TensorFlow flavour: the same network in Keras layers, a GradientTape loop."""
+
+    def __init__(self) -> None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        # oneDNN's CPU allocator pools memory and waits 10 s before reporting an
+        # out-of-memory; the plain one fails at once and returns memory to the system.
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+        import tensorflow as tf
+
+        self.tf = tf
+        self.device = "GPU" if tf.config.list_physical_devices("GPU") else "cpu"
+        tf.random.set_seed(0)
+        self.model = tf.keras.Sequential([
+            tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(HIDDEN, activation="gelu"),
+            tf.keras.layers.Dropout(0.1), tf.keras.layers.Dense(CLASSES)])
+        self.optimizer = tf.keras.optimizers.SGD(0.05)
+        self.loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        weights = tf.random.normal((FEATURES, CLASSES), seed=1)
+        self.x = tf.random.normal((SAMPLES, FEATURES), seed=2)
+        self.y = tf.argmax(self.x @ weights, axis=1)
+
+    @property
+    def limit_device(self) -> str:
+        return "host"
+
+    def step(self, start: int, stop: int) -> float:
+        tf = self.tf
+        with tf.GradientTape() as tape:
+            loss = self.loss(self.y[start:stop], self.model(self.x[start:stop], training=True))
+        grads = tape.gradient(loss, self.model.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        return float(loss)
+
+
+def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
+        epochs: int = 3, say: Callable[..., None] = _say) -> int:
+    """Run the demo; returns the exit code (0: everything held)."""
+    started = time.perf_counter()
+    flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
+    say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
+        f"{SAMPLES} samples, starting at batch_size={START_BATCH} (too big on purpose)")
+    flavour.step(0, 64)  # warm up: kernels, thread pools and their arenas exist from here on
+    scopes: list[MemoryScope] = []
+    epoch_number = [0]
+
+    def on_retry(attempt: Attempt) -> None:
+        say(f"  out of memory at batch_size={attempt.batch_size} after "
+            f"{attempt.seconds:.2f} s; memory freed, retrying at "
+            f"batch_size={max(1, attempt.batch_size // 2)}")
+
+    @oom_retry(batch_size=START_BATCH, on_retry=on_retry)
+    def train_epoch(batch_size: int) -> float:
+        epoch = epoch_number[0]
+        batches = math.ceil(SAMPLES / batch_size)
+        loss = float("nan")
+        with memory_scope(f"epoch {epoch}", track_tensors=True) as scope:
+            for index in range(batches):
+                loss = flavour.step(index * batch_size, min(SAMPLES, (index + 1) * batch_size))
+                _progress(epoch, epochs, index + 1, batches, loss)
+        scopes.append(scope)
+        return loss
+
+    ok = True
+    with MemoryMonitor(interval=0.05) as monitor, memory_limit(budget, flavour.limit_device):
+        for epoch in range(1, epochs + 1):
+            epoch_number[0] = epoch
+            monitor.mark(f"epoch {epoch}")
+            try:
+                train_epoch()
+            except MemoryError as exc:
+                say(f"  gave up: {exc}")
+                ok = False
+                break
+    tried = [a.batch_size for a in train_epoch.history] if epochs else []
+    first_call = scopes and train_epoch.batch_size
+    _summary(say, scopes, monitor, tried if len(scopes) <= 1 else None, train_epoch.batch_size)
+    # The first epoch may keep one-time state (optimizer slots, kernel caches): retention is
+    # judged from the second epoch on; leaked tensors in every epoch.
+    leaks = [scope for number, scope in enumerate(scopes)
+             if (number and any(n > LEAK_TOLERANCE for n in scope.retained.values()))
+             or any(leak.nbytes > 1 << 20 for leak in scope.leaks)]
+    ok = ok and bool(first_call) and not leaks and len(scopes) == epochs
+    if plot:
+        try:
+            monitor.plot(plot, title=f"memguard demo: {framework} on {flavour.device}")
+            say(f"timeline written to {plot}")
+        except ImportError as exc:
+            say(f"no timeline: {exc}")
+    say(f"{'everything held' if ok else 'something did not hold'} "
+        f"({time.perf_counter() - started:.1f} s)")
+    return 0 if ok else 1
+
+
+def _summary(say: Callable[..., None], scopes: list[MemoryScope], monitor: MemoryMonitor,
+             tried: Any, final: Any) -> None:
+    say()
+    events = [label for _, label in monitor.marks if label.startswith("OOM")]
+    say(f"batch sizes tried: {', '.join(label.split('=')[1] for label in events)}"
+        f"{', ' if events else ''}{final} (fits)")
+    rows = [("epoch", "peak", "retained", "leaked tensors")]
+    for scope in scopes:
+        peak = ", ".join(f"{d} {format_bytes(v)}" for d, v in scope.peak.items())
+        retained = ", ".join(f"{d} {format_bytes(v)}" for d, v in scope.retained.items())
+        big = [leak for leak in scope.leaks if leak.nbytes > 1 << 20]
+        rows.append((str(scope.name), peak, retained,
+                     "none" if not big else f"{len(big)}: {scope.biggest_leak()}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    say("monitor peak: " + ", ".join(f"{d} {format_bytes(v)}" for d, v in monitor.peak.items()))

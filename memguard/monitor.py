@@ -1,0 +1,187 @@
+"""``MemoryMonitor``: a timeline of memory, sampled by a background thread, with marks."""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+from typing import Any, Optional
+
+from ._events import listen, unlisten
+from .backends import DeviceMemory, Devices, resolve_devices
+from .cleanup import Pairs, read_all
+
+
+class MemoryMonitor:
+    """Samples every watched device every ``interval`` seconds on a daemon thread.
+
+    A context manager (or ``start()`` / ``stop()``). ``samples`` is a list of ``(time,
+    {device: DeviceMemory})`` with ``allocated`` and ``reserved`` (the cheap readings: a few
+    microseconds a device); ``peak`` maps each device to the highest level seen (the resident
+    set on the host, ``allocated`` on devices); ``mark(label)`` adds a labelled moment, and
+    scopes and ``oom_retry`` attempts inside a running monitor add their own. The thread
+    stops within one interval of ``stop()``, also when the body raised.
+
+    >>> import memguard
+    >>> with memguard.MemoryMonitor(interval=0.01) as mon:
+    ...     mon.mark("start")
+    >>> mon.marks[0][1]
+    'start'
+    """
+
+    def __init__(self, interval: float = 0.1, devices: Devices = None) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise ValueError(f"MemoryMonitor: interval must be a positive number of seconds, "
+                             f"got {interval!r}")
+        self.interval = float(interval)
+        self.devices = devices
+        self.samples: list[tuple[float, dict[str, DeviceMemory]]] = []
+        self.marks: list[tuple[float, str]] = []
+        self.peak: dict[str, int] = {}
+        self.started: Optional[float] = None
+        self._pairs: Pairs = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    # -- running -------------------------------------------------------------------------------
+    def start(self) -> "MemoryMonitor":
+        """Start sampling (a second start while running is an error)."""
+        if self._thread is not None:
+            raise RuntimeError("MemoryMonitor is already running")
+        self._pairs = resolve_devices(self.devices)
+        self._stop.clear()
+        self.started = time.time()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="memguard-monitor", daemon=True)
+        self._thread.start()
+        listen(self.mark)
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling, after one last sample; waits at most one interval."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        unlisten(self.mark)
+        self._stop.set()
+        thread.join()
+        self._sample()
+
+    def __enter__(self) -> "MemoryMonitor":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = time.time()
+        readings = read_all(self._pairs)
+        memory = {d: DeviceMemory(d, allocated=a, reserved=r) for d, (a, r) in readings.items()}
+        with self._lock:
+            self.samples.append((now, memory))
+            for backend, device in self._pairs:
+                level = readings[device][backend.level_field]
+                if level is not None and level > self.peak.get(device, -1):
+                    self.peak[device] = level
+
+    def mark(self, label: str) -> None:
+        """Add a labelled moment to the timeline (drawn as a vertical line by ``plot``)."""
+        with self._lock:
+            self.marks.append((time.time(), str(label)))
+
+    # -- export --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Samples, marks and peaks as a JSON-ready dict."""
+        with self._lock:
+            return {
+                "interval": self.interval, "started": self.started, "peak": dict(self.peak),
+                "samples": [{"time": t, "devices": {d: m.to_dict() for d, m in mem.items()}}
+                            for t, mem in self.samples],
+                "marks": [{"time": t, "label": label} for t, label in self.marks],
+            }
+
+    def to_csv(self, path: str) -> None:
+        """One row per sample and device (``time,device,allocated,reserved,mark``), and one
+        row per mark."""
+        with self._lock, open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["time", "device", "allocated", "reserved", "mark"])
+            rows = [(t, d, m.allocated, m.reserved, "") for t, mem in self.samples
+                    for d, m in mem.items()]
+            rows += [(t, "", "", "", label) for t, label in self.marks]
+            for row in sorted(rows, key=lambda r: r[0]):
+                writer.writerow(["" if v is None else v for v in row])
+
+    def series(self) -> dict[str, dict[str, list[tuple[float, int]]]]:
+        """``device -> {"allocated"|"reserved": [(seconds since start, bytes), ...]}``."""
+        start = self.started or 0.0
+        out: dict[str, dict[str, list[tuple[float, int]]]] = {}
+        with self._lock:
+            for t, mem in self.samples:
+                for device, m in mem.items():
+                    lines = out.setdefault(device, {"allocated": [], "reserved": []})
+                    for field in ("allocated", "reserved"):
+                        value = getattr(m, field)
+                        if value is not None:
+                            lines[field].append((t - start, value))
+        return out
+
+    def plot(self, path: str, title: Optional[str] = None) -> str:
+        """Write a PNG of allocated and reserved memory per device over time, the marks as
+        vertical lines. Needs matplotlib (``pip install "memguard[plot]"``)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
+                              ) from exc
+        series = self.series()
+        fig, axes = plt.subplots(len(series) or 1, 1, figsize=(10, 3.2 * max(1, len(series))),
+                                 squeeze=False)
+        start = self.started or 0.0
+        for ax, (device, lines) in zip(axes[:, 0], series.items()):
+            for field, style in (("allocated", "-"), ("reserved", "--")):
+                if lines[field]:
+                    xs, ys = zip(*lines[field])
+                    ax.plot(xs, [y / 2**20 for y in ys], style, label=field)
+            for t, label in self.marks:
+                ax.axvline(t - start, color="grey", linewidth=0.6, alpha=0.6)
+                ax.text(t - start, ax.get_ylim()[1], label, rotation=90, fontsize=6,
+                        va="top", ha="right", color="grey")
+            ax.set_ylabel(f"{device} (MiB)")
+            ax.legend(loc="upper left", fontsize=8)
+        axes[-1, 0].set_xlabel("seconds")
+        fig.suptitle(title or "memguard memory timeline")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def to_tensorboard(self, writer: Any, prefix: str = "memory") -> int:
+        """Write the series as scalars (``memory/<device>/allocated`` in MiB, step = sample
+        index) to a ``torch.utils.tensorboard.SummaryWriter`` or a TensorFlow summary writer.
+        Returns the number of scalars written."""
+        rows = [(f"{prefix}/{device}/{field}", index, t, value / 2**20)
+                for index, (t, mem) in enumerate(list(self.samples))
+                for device, m in mem.items()
+                for field in ("allocated", "reserved")
+                for value in [getattr(m, field)] if value is not None]
+        if hasattr(writer, "add_scalar"):
+            for tag, step, walltime, value in rows:
+                writer.add_scalar(tag, value, global_step=step, walltime=walltime)
+            writer.flush()
+        elif hasattr(writer, "as_default"):
+            from .backends.tensorflow import write_scalars
+
+            write_scalars(writer, [(tag, step, value) for tag, step, _, value in rows])
+        else:
+            raise TypeError(f"to_tensorboard needs a torch SummaryWriter or a TensorFlow summary "
+                            f"writer, got {type(writer).__name__}")
+        return len(rows)
