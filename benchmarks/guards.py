@@ -154,3 +154,45 @@ print(json.dumps({{"bare": bare, "full": full, "heavy": heavy}}))
 
 
 BENCHMARKS = [overhead, reclaim, import_time]
+
+
+MONITOR = """
+import json, time, statistics
+import memguard
+
+def work():
+    total = 0
+    for i in range(200_000):
+        total += i * i
+    return total
+
+def timed(n):
+    start = time.perf_counter()
+    for _ in range(n):
+        work()
+    return time.perf_counter() - start
+
+work()
+bare, watched = [], []
+for _ in range({rounds}):
+    bare.append(timed({per_round}))
+    with memguard.MemoryMonitor(interval=0.01) as mon:
+        watched.append(timed({per_round}))
+    samples = len(mon.samples)
+print(json.dumps({{"bare": statistics.median(bare), "watched": statistics.median(watched),
+                  "samples": samples}}))
+"""
+
+
+def monitor(quick: bool) -> list[Result]:
+    """Benchmark 7: a CPU-bound pure-Python loop (it needs the GIL all the time, the worst
+    case for a sampling thread) with and without a MemoryMonitor sampling every 10 ms;
+    alternating rounds, medians."""
+    out = run_python(MONITOR.format(rounds=5 if quick else 15, per_round=5 if quick else 20))
+    slowdown = out["watched"] / out["bare"]
+    return [Result("7 MemoryMonitor at 10 ms", out["watched"] * 1000, out["bare"] * 1000, "ms",
+                   "no monitor", "< 1.02x", slowdown < 1.02,
+                   f"{out['samples']} samples in the last round")]
+
+
+BENCHMARKS.append(monitor)
