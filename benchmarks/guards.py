@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.common import Result, interleaved, run_python
+from benchmarks.common import Result, run_python
 
 STEP = """
 import gc, torch
@@ -188,7 +188,7 @@ def monitor(quick: bool) -> list[Result]:
     """Benchmark 7: a CPU-bound pure-Python loop (it needs the GIL all the time, the worst
     case for a sampling thread) with and without a MemoryMonitor sampling every 10 ms;
     alternating rounds, medians."""
-    out = run_python(MONITOR.format(rounds=5 if quick else 15, per_round=5 if quick else 20))
+    out = run_python(MONITOR.format(rounds=5 if quick else 25, per_round=5 if quick else 20))
     slowdown = out["watched"] / out["bare"]
     return [Result("7 MemoryMonitor at 10 ms", out["watched"] * 1000, out["bare"] * 1000, "ms",
                    "no monitor", "< 1.02x", slowdown < 1.02,

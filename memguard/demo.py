@@ -155,15 +155,13 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
                 say(f"  gave up: {exc}")
                 ok = False
                 break
-    tried = [a.batch_size for a in train_epoch.history] if epochs else []
-    first_call = scopes and train_epoch.batch_size
-    _summary(say, scopes, monitor, tried if len(scopes) <= 1 else None, train_epoch.batch_size)
+    _summary(say, scopes, monitor, train_epoch.batch_size)
     # The first epoch may keep one-time state (optimizer slots, kernel caches): retention is
     # judged from the second epoch on; leaked tensors in every epoch.
     leaks = [scope for number, scope in enumerate(scopes)
              if (number and any(n > LEAK_TOLERANCE for n in scope.retained.values()))
              or any(leak.nbytes > 1 << 20 for leak in scope.leaks)]
-    ok = ok and bool(first_call) and not leaks and len(scopes) == epochs
+    ok = ok and train_epoch.batch_size is not None and not leaks and len(scopes) == epochs
     if plot:
         try:
             monitor.plot(plot, title=f"memguard demo: {framework} on {flavour.device}")
@@ -176,7 +174,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
 
 
 def _summary(say: Callable[..., None], scopes: list[MemoryScope], monitor: MemoryMonitor,
-             tried: Any, final: Any) -> None:
+             final: Any) -> None:
     say()
     events = [label for _, label in monitor.marks if label.startswith("OOM")]
     say(f"batch sizes tried: {', '.join(label.split('=')[1] for label in events)}"

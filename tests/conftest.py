@@ -14,13 +14,10 @@ MiB = 1 << 20
 
 
 def _has_gpu() -> bool:
-    if "torch" not in sys.modules:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return False
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        return False
     return torch.cuda.is_available()
 
 

@@ -93,3 +93,15 @@ class Backend:
     def empty_cache(self) -> None:
         """Hand the allocator's unused cache back to the system (or driver)."""
         raise NotImplementedError
+
+
+def subclasses(*roots: type) -> set[type]:
+    """The ``roots`` and every class derived from them that exists now."""
+    found: set[type] = set()
+    stack = list(roots)
+    while stack:
+        cls = stack.pop()
+        if cls not in found:
+            found.add(cls)
+            stack.extend(cls.__subclasses__())
+    return found

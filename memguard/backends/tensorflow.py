@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any, Optional
 
-from .base import Backend, DeviceMemory, Reading
+from .base import Backend, DeviceMemory, Reading, subclasses
 
 log = logging.getLogger("memguard")
 
@@ -100,13 +100,7 @@ def tensor_types() -> set[type]:
     tf = _tf()
     from tensorflow.python.framework import ops
 
-    found, stack = set(), [ops.EagerTensor, tf.Variable]
-    while stack:
-        cls = stack.pop()
-        if cls not in found:
-            found.add(cls)
-            stack.extend(cls.__subclasses__())
-    return found
+    return subclasses(ops.EagerTensor, tf.Variable)
 
 
 def _device(name: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable, Optional
 
-from .base import Backend, DeviceMemory, Reading
+from .base import Backend, DeviceMemory, Reading, subclasses
 
 
 def _torch() -> Any:
@@ -194,19 +194,9 @@ def exit_inference(state: Optional[InferenceState]) -> None:
 
 
 # -- tensors ------------------------------------------------------------------------------------
-def _subclasses(root: type) -> set[type]:
-    found, stack = set(), [root]
-    while stack:
-        cls = stack.pop()
-        if cls not in found:
-            found.add(cls)
-            stack.extend(cls.__subclasses__())
-    return found
-
-
 def tensor_types() -> set[type]:
     """``torch.Tensor`` and every subclass defined now (Parameter, Buffer, ...)."""
-    return _subclasses(_torch().Tensor)
+    return subclasses(_torch().Tensor)
 
 
 TensorFacts = tuple  # (device, dtype, shape, storage key, storage bytes, is_view)
