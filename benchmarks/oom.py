@@ -52,10 +52,16 @@ run()
 second_attempts = len(entries)
 entries.clear()
 memguard.free_memory()
-largest = 1
-while fits(largest + 1):  # the largest feasible size, by walking up from below
-    largest += 1
+memguard.free_memory()
+low, high = found, 100  # found fits, the start did not: bisect for the largest that fits
+while high - low > 1:
+    middle = (low + high) // 2
+    if fits(middle):
+        low = middle
+    else:
+        high = middle
     memguard.free_memory()
+largest = low
 print(json.dumps({{"found": found, "seconds": seconds, "attempts": attempts, "held": held,
                   "second": second_attempts, "largest": largest}}))
 """
@@ -81,10 +87,11 @@ def recovery(quick: bool) -> list[Result]:
     Accelerate's ``find_executable_batch_size`` (its default: x0.9), in fresh processes.
 
     Reported: attempts until success, seconds until success, size found / largest feasible
-    size (found by walking up afterwards), the most memory still held when a retry started,
-    and the attempts of a second call (after a ``gc.collect()``, since the cycle variant's
-    successful attempt leaves its own garbage behind). Run twice: plain, and with the attempt's first tensor
-    in a reference cycle, which only a collection outside ``except`` frees in time.
+    size (bisected afterwards between the size found and the start), the most memory still
+    held when a retry started, and the attempts of a second call (after a ``gc.collect()``,
+    since the cycle variant's successful attempt leaves its own garbage behind). Run twice:
+    plain, and with the attempt's first tensor in a reference cycle, which only a
+    collection outside ``except`` frees in time.
     Fair to the peer: the same process set-up and budget; each tool at its own defaults.
     """
     have_peer = importlib.util.find_spec("accelerate") is not None

@@ -1,0 +1,194 @@
+"""The GPU verification run: everything memguard claims on CUDA, in one script, < 5 minutes.
+
+On a CUDA machine, from the repository root, with the machine's own torch installed::
+
+    pip install -e ".[test]" accelerate && python benchmarks/gpu_check.py
+
+It runs the test suite's ``gpu``-marked tests; recovers from a real CUDA out-of-memory with
+``oom_retry`` (reserved memory back after cleanup, ``num_ooms`` counted); rehearses a
+smaller GPU with ``memory_limit``; dumps a snapshot with ``record_history``; and measures
+benchmark 1 (guard overhead on a training step) and benchmark 3 (recovery against
+Accelerate) on the GPU. It prints a summary, writes ``benchmarks/gpu_results.json``, and
+exits 0 when every check passed, 1 when one failed, 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import memguard  # noqa: E402
+
+MiB = 1 << 20
+results: dict[str, Any] = {}
+
+
+def check(name: str, fn: Callable[[], dict]) -> None:
+    start = time.perf_counter()
+    try:
+        outcome = fn()
+        outcome.setdefault("ok", True)
+    except Exception as exc:  # noqa: BLE001 - a failed check is reported, not fatal
+        outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    outcome["seconds"] = round(time.perf_counter() - start, 2)
+    results[name] = outcome
+    print(f"{'PASS' if outcome['ok'] else 'FAIL'}  {name}: "
+          f"{ {k: v for k, v in outcome.items() if k not in ('ok', 'output')} }", flush=True)
+
+
+def gpu_tests() -> dict:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                           "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return {"ok": proc.returncode == 0, "summary": summary, "output": proc.stdout[-4000:]}
+
+
+def real_oom() -> dict:
+    total = torch.cuda.mem_get_info()[1]
+    per_sample = total // 16
+    ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+
+    @memguard.oom_retry(batch_size=32)
+    def step(batch_size: int) -> int:
+        torch.empty(batch_size * per_sample, dtype=torch.uint8, device="cuda").fill_(1)
+        return batch_size
+
+    found = step()
+    memguard.free_memory()
+    reserved = torch.cuda.memory_reserved()
+    counted = torch.cuda.memory_stats().get("num_ooms", 0) - ooms
+    return {"ok": found <= 8 and counted >= 1 and reserved < total // 8, "found": found,
+            "sizes": [a.batch_size for a in step.history], "num_ooms": counted,
+            "reserved_after_cleanup_mib": reserved // MiB}
+
+
+def limit() -> dict:
+    with memguard.memory_limit("1GiB", device="cuda"):
+        try:
+            torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+            inside = "no error"
+        except torch.OutOfMemoryError as exc:
+            inside = "oom" if memguard.is_oom_error(exc) else "other"
+    after = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").numel()
+    return {"ok": inside == "oom" and after == 2 << 30, "inside": inside}
+
+
+def history() -> dict:
+    path = os.path.join(tempfile.mkdtemp(), "oom.pickle")
+    try:
+        with memguard.record_history(path):
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        pass
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return {"ok": size > 0, "snapshot_bytes": size}
+
+
+def overhead() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
+                                torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(512, 1024, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+
+    def naive() -> None:
+        step()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    auto = memguard.frees_memory(step)
+    variants = {"bare": step, "auto": auto, "naive": naive}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        fn()
+    for _ in range(10):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            times[name].append((time.perf_counter() - start) / 20)
+    medians = {name: statistics.median(v) * 1000 for name, v in times.items()}
+    ratio = medians["auto"] / medians["bare"]
+    return {"ok": ratio <= 1.05, "ms": {k: round(v, 3) for k, v in medians.items()},
+            "auto_ratio": round(ratio, 3), "naive_ratio": round(medians["naive"] / medians["bare"], 2)}
+
+
+def recovery() -> dict:
+    total = torch.cuda.mem_get_info()[1]
+    unit = (2 << 30) // 100  # 100 samples need 2 x 2 GiB under a 3 GiB limit
+
+    def attempt(batch_size: int) -> int:
+        first = torch.empty(batch_size * unit, dtype=torch.uint8, device="cuda").fill_(1)
+        second = torch.empty(batch_size * unit, dtype=torch.uint8, device="cuda").fill_(1)
+        del first, second
+        return batch_size
+
+    out: dict[str, Any] = {}
+    runners: dict[str, Callable[[], Callable[[], int]]] = {
+        "memguard": lambda: memguard.oom_retry(batch_size=100)(attempt)}
+    try:
+        from accelerate.utils import find_executable_batch_size
+
+        runners["accelerate"] = lambda: find_executable_batch_size(
+            lambda batch_size: attempt(batch_size), starting_batch_size=100)
+    except ImportError:
+        out["accelerate"] = "not installed"
+    for name, make in runners.items():
+        memguard.free_memory()
+        with memguard.memory_limit(min(3 << 30, total // 2), device="cuda"):
+            ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+            start = time.perf_counter()
+            found = make()()
+            out[name] = {"found": found, "seconds": round(time.perf_counter() - start, 3),
+                         "attempts": torch.cuda.memory_stats().get("num_ooms", 0) - ooms + 1}
+    mine = out["memguard"]["attempts"]
+    peer = out.get("accelerate")
+    out["ok"] = not isinstance(peer, dict) or mine <= peer["attempts"]
+    return out
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check")
+        return 2
+    name = torch.cuda.get_device_name(0)
+    print(f"gpu_check on {name}, torch {torch.__version__}, memguard {memguard.__version__}")
+    torch.zeros(1, device="cuda")
+    for label, fn in [("gpu tests", gpu_tests), ("real CUDA OOM through oom_retry", real_oom),
+                      ("memory_limit on CUDA", limit), ("record_history on OOM", history),
+                      ("benchmark 1 on the GPU", overhead), ("benchmark 3 on the GPU", recovery)]:
+        check(label, fn)
+        gc.collect()
+        torch.cuda.empty_cache()
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": name, "torch": torch.__version__,
+              "python": platform.python_version(), "results": results}
+    path = os.path.join(ROOT, "benchmarks", "gpu_results.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    passed = sum(r["ok"] for r in results.values())
+    print(f"{passed}/{len(results)} checks passed; results in {path}")
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
