@@ -119,19 +119,15 @@ def collect_info(tensorflow: bool = True) -> dict[str, Any]:
         "nvml": {"driver": nvml.driver_version(), "gpus": nvml.gpus()},
     }
     if importlib.util.find_spec("torch") is not None:
-        import torch
-
         from .backends import torch as torch_backend
 
-        data["frameworks"]["torch"] = torch.__version__
+        data["frameworks"]["torch"] = torch_backend.version()
         data["devices"] += torch_backend.device_overview()
     if tensorflow and importlib.util.find_spec("tensorflow") is not None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        import tensorflow as tf
-
         from .backends import tensorflow as tf_backend
 
-        data["frameworks"]["tensorflow"] = tf.__version__
+        data["frameworks"]["tensorflow"] = tf_backend.version()
         data["tensorflow_gpus"] = tf_backend.device_overview()
     return data
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Mapping, Sequence
 
 
@@ -94,9 +93,8 @@ def oom_kind(exc: BaseException | None) -> str | None:
 def _own_kind(exc: BaseException) -> str | None:
     if isinstance(exc, MemoryError):
         return "memguard" if isinstance(exc, OutOfMemoryError) else "MemoryError"
-    torch = sys.modules.get("torch")
-    torch_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if torch_oom is not None and isinstance(exc, torch_oom):
+    if any(cls.__name__ == "OutOfMemoryError" and cls.__module__.startswith("torch")
+           for cls in type(exc).__mro__):  # by name: this floor never touches torch
         return "torch.OutOfMemoryError"
     if not any(cls.__name__ in _MESSAGE_CLASSES for cls in type(exc).__mro__):
         return None

@@ -156,3 +156,8 @@ def device_overview() -> list[dict[str, Any]]:
     tf = _tf()
     return [{"device": d.name.replace("/physical_device:", ""), "name": d.device_type}
             for d in tf.config.list_physical_devices("GPU")]
+
+
+def version() -> str:
+    """The installed tensorflow's version (imports it)."""
+    return str(_tf().__version__)

@@ -312,3 +312,8 @@ def device_overview() -> list[dict[str, Any]]:
         out.append({"device": "mps", "name": "Apple MPS", "total": total, "used": used,
                     "free": None if total is None else int(total) - used})
     return out
+
+
+def version() -> str:
+    """The installed torch's version (imports it)."""
+    return str(_torch().__version__)
