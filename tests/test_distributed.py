@@ -89,3 +89,27 @@ def test_three_ranks_retry_together_and_finish_alike():
     assert outputs[2]["broken"] == "ValueError: rank 2 has bad data"
     for rank in (0, 1):
         assert outputs[rank]["broken"].startswith("MemguardError: broken: another rank failed")
+
+
+def test_process_group_is_not_kept_alive_after_destroy(python_in_subprocess):
+    """memguard must not hold the process group once the user destroyed it: its C++
+    destructor (gloo's threads) would then run at interpreter shutdown, where it can abort
+    the process ("terminate called without an active exception") after a clean run."""
+    out = python_in_subprocess(f"""
+        import gc, json, os, weakref
+        import torch.distributed as dist
+        import memguard
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+        @memguard.oom_retry(batch_size=4, sync=True)  # one all-reduce at the attempt's end
+        def step(batch_size):
+            return batch_size
+
+        result = step()
+        world = weakref.ref(dist.group.WORLD)
+        dist.destroy_process_group()
+        gc.collect()
+        print(json.dumps({{"result": result, "alive": world() is not None}}))
+    """)
+    assert out == {"result": 4, "alive": False}

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, Optional
 
 _lock = threading.Lock()
-_groups: dict[int, Any] = {}
+# default group -> memguard's gloo group for it. Weak keys: once the user destroys the default
+# group, the side group goes with it. Holding either past ``destroy_process_group`` would leave
+# their C++ destructors (gloo's threads) to interpreter shutdown, where they can abort.
+_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def world() -> Optional[tuple[int, int]]:
@@ -27,17 +31,17 @@ def world() -> Optional[tuple[int, int]]:
 
 
 def _side_group() -> Any:
+    """memguard's gloo group, or ``None`` (the default group) where that already is gloo."""
     import torch.distributed as dist
 
+    if dist.get_backend() == "gloo":
+        return None
     default = dist.group.WORLD
     with _lock:
-        key = id(default)
-        if key not in _groups:
-            if dist.get_backend() == "gloo":
-                _groups[key] = default
-            else:
-                _groups[key] = dist.new_group(backend="gloo")
-        return _groups[key]
+        group = _groups.get(default)
+        if group is None:
+            group = _groups[default] = dist.new_group(backend="gloo")
+        return group
 
 
 def all_max(values: list[int]) -> list[int]:
