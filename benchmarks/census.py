@@ -13,16 +13,16 @@ OBJECTS = [[i] for i in range({objects})]          # tracked Python objects
 TENSORS = [torch.ones(4) for _ in range({tensors})]
 LEAKED = {{"step%d" % i: [torch.ones(1000 + i)] for i in range(10)}}   # ten held tensors
 
-def timed(fn, repeat=5):
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
-bare = timed(lambda: gc.get_objects())
-census = timed(lambda: live_tensors())
+bare, census = [], []
+for _ in range(7):  # alternating, so that a slow spell of the machine hits both
+    bare.append(timed(gc.get_objects))
+    census.append(timed(live_tensors))
+bare, census = statistics.median(bare), statistics.median(census)
 top = live_tensors(min_bytes=4000)[:10]
 start = time.perf_counter()
 paths = [info.holders for info in top]
@@ -35,7 +35,8 @@ print(json.dumps({{"bare": bare, "census": census, "holders": holders,
 def census(quick: bool) -> list[Result]:
     """Benchmark 6: ``live_tensors()`` in a process holding 1,000,000 tracked Python objects
     and 10,000 tensors, against one bare ``gc.get_objects()`` pass over the same process
-    (medians of 5), and the time to find holder paths for the 10 largest tensors.
+    (medians of 7 alternating rounds), and the time to find holder paths for the 10 largest
+    tensors.
 
     Fair: the bare pass is the floor any census that scans the collector pays; both run in
     the same process, one after the other.

@@ -75,8 +75,15 @@ class MemoryMonitor:
         self.stop()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        # Deadlines, not sleeps: the time spent waiting for the interpreter lock and sampling
+        # does not stretch the interval. A sampler that fell behind skips, never bursts.
+        due = time.monotonic() + self.interval
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
             self._sample()
+            due += self.interval
+            now = time.monotonic()
+            if due <= now:
+                due = now + self.interval
 
     def _sample(self) -> None:
         now = time.time()

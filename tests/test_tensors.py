@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -59,6 +60,45 @@ def test_a_view_of_a_temporary_counts_its_storage_once():
     assert sum(i.nbytes for i in sharing) == 4_000_000
     assert [i.is_view for i in sharing if i.nbytes] == [False]
     assert view.is_contiguous()
+
+
+def test_tensors_that_own_no_memory_are_left_out_without_error():
+    """Meta, fake, lazy (uninitialised) and wrapper tensors hold no storage of their own; a
+    wrapper's data is the plain tensor inside it, which the census counts once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.masked import masked_tensor
+
+    lazy = torch.nn.LazyLinear(8)  # its parameters are UninitializedParameter
+    meta = torch.ones(1000, 1000, device="meta")
+    with FakeTensorMode():
+        fake = torch.ones(1000, 1000)
+    data = torch.ones(300, 300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "prototype stage"
+        masked = masked_tensor(data, torch.ones(300, 300, dtype=torch.bool))
+    buffer = torch.nn.Buffer(torch.ones(200, 200))  # a plain tensor, marked as a buffer
+    by_id = {info.id: info for info in memguard.live_tensors()}
+    for holds_nothing in (lazy.weight, meta, fake, masked):
+        assert id(holds_nothing) not in by_id
+    assert by_id[id(buffer)].nbytes == 160_000
+    counted = [i for i in by_id.values() if i.shape == (300, 300) and i.dtype == "float32"]
+    assert sum(i.nbytes for i in counted) == 720_000  # data, and the copy the mask wraps
+    assert id(data) in by_id
+
+
+def test_tensor_info_is_an_immutable_value():
+    plain = torch.ones(10, 10)
+    info = next(i for i in memguard.live_tensors() if i.id == id(plain))
+    again = next(i for i in memguard.live_tensors() if i.id == id(plain))
+    assert info == again and hash(info) == hash(again) and info is not again
+    with pytest.raises(AttributeError):
+        info.nbytes = 0  # type: ignore[misc]
+    assert info.to_dict() == {"framework": "torch", "device": "cpu", "dtype": "float32",
+                              "shape": [10, 10], "nbytes": 400, "is_view": False,
+                              "name": None, "id": id(plain)}
+    assert "nbytes=400" in repr(info) and str(info) == "float32[10, 10] 400 B on cpu"
+    made = memguard.TensorInfo("torch", "cpu", "float32", (10, 10), 400, id=id(plain))
+    assert made == info and not made.alive
 
 
 def test_device_and_size_filters():

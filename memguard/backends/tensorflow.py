@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Any, Optional
 
 from .base import Backend, DeviceMemory, Reading, subclasses
@@ -119,6 +120,23 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         return (_device(tensor.device), dtype.name, shape, ("tf", id(tensor)), nbytes or 0, False)
     except (ValueError, AttributeError, RuntimeError, TypeError):
         return None
+
+
+def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple], list[Any]]:
+    """The census rows of ``tensors`` and their storage keys (see the torch backend's)."""
+    rows, keys = [], []
+    for tensor in tensors:
+        facts = tensor_facts(tensor)
+        if facts is not None:
+            device, dtype, shape, key, nbytes, is_view = facts
+            try:
+                ref = weakref.ref(tensor)
+            except TypeError:
+                ref = None
+            rows.append(("tensorflow", device, dtype, shape, nbytes, is_view,
+                         names.get(id(tensor)), id(tensor), ref))
+            keys.append(key)
+    return rows, keys
 
 
 def write_scalars(writer: Any, rows: list[tuple[str, int, float]]) -> None:

@@ -9,6 +9,7 @@ CPU tensors live in the host process and are measured by the host backend.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Iterable, Optional
 
 from .base import Backend, DeviceMemory, Reading, subclasses
@@ -194,12 +195,36 @@ def exit_inference(state: Optional[InferenceState]) -> None:
 
 
 # -- tensors ------------------------------------------------------------------------------------
+# torch's own tensor classes that never have an instance owning storage: wrappers whose data
+# lives in plain tensors (which the census finds on their own), fake and lazy placeholders,
+# and Buffer (its constructor returns a plain tensor). Leaving them out changes no census
+# result and shortens the collector's pass, whose cost grows with the classes it looks for.
+NO_STORAGE = frozenset({
+    "torch.nn.parameter.Buffer",
+    "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.functional_tensor.FunctionalTensor",
+    "torch.nn.parameter.UninitializedParameter",
+    "torch.nn.parameter.UninitializedBuffer",
+    "torch.masked.maskedtensor.core.MaskedTensor",
+    "torch.nested._internal.nested_tensor.NestedTensor",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensor",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUTLASS",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUSPARSELT",
+    "torch.testing._internal.logging_tensor.LoggingTensor",
+    "torch.testing._internal.logging_tensor.LoggingTensorReentrant",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._api.DTensor",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor",
+})
+
+
 def tensor_types() -> set[type]:
-    """``torch.Tensor`` and every subclass defined now (Parameter, Buffer, ...)."""
-    return subclasses(_torch().Tensor)
+    """``torch.Tensor`` and every subclass defined now whose instances can own storage
+    (Parameter, Buffer, user subclasses; not torch's wrapper and fake classes)."""
+    return {cls for cls in subclasses(_torch().Tensor)
+            if f"{cls.__module__}.{cls.__qualname__}" not in NO_STORAGE}
 
 
-TensorFacts = tuple  # (device, dtype, shape, storage key, storage bytes, is_view)
 
 
 _names: dict[Any, str] = {}
@@ -217,15 +242,30 @@ def _name(key: Any) -> str:
     return name
 
 
-def tensor_facts(tensor: Any) -> Optional[TensorFacts]:
-    """What a census needs of one tensor; ``None`` for tensors without real storage."""
-    try:
-        storage = tensor.untyped_storage()
-        device = _name(tensor.device)
-        return (device, _name(tensor.dtype), tensor.shape,  # torch.Size: a tuple
-                (device, storage.data_ptr()), storage.nbytes(), tensor._is_view())
-    except (RuntimeError, NotImplementedError, TypeError):  # meta, fake, sparse tensors
-        return None
+def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple], list[Any]]:
+    """The census rows of ``tensors`` (those that own memory) and their storage keys.
+
+    A row is ``("torch", device, dtype, shape, storage bytes, is_view, name, id, weak
+    reference)``; ``names`` maps ids to parameter names. Tensors that own no memory (meta,
+    fake, empty, sparse and lazy ones) are left out.
+    """
+    known, rows, keys = _names, [], []
+    add_row, add_key, ref = rows.append, keys.append, weakref.ref
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if not pointer:
+                continue
+            device, dtype = tensor.device, tensor.dtype
+            device = known.get(device) or _name(device)
+            ident = id(tensor)
+            add_row(("torch", device, known.get(dtype) or _name(dtype), tensor.shape,
+                     storage.nbytes(), tensor._is_view(), names.get(ident), ident, ref(tensor)))
+            add_key((device, pointer))
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue
+    return rows, keys
 
 
 def parameter_names(model: Any) -> dict[int, str]:
