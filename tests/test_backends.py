@@ -23,6 +23,29 @@ def test_host_reads_follow_a_real_allocation():
     assert 0 < during.free <= during.total
 
 
+
+def test_a_forked_child_reads_its_own_memory_not_its_parents(python_in_subprocess):
+    """The /proc descriptor is kept open between reads; a child must not read through the
+    parent's."""
+    out = python_in_subprocess("""
+        import json, os
+        from memguard.backends import host
+        parent_before = host.rss()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            block = bytearray(300 * 2**20)  # zero pages: touch them
+            block[::4096] = b"x" * len(block[::4096])
+            os.write(write, str(host.rss()).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = int(os.read(read, 64))
+        print(json.dumps({"child_gain": child - parent_before,
+                          "parent_gain": host.rss() - parent_before}))
+    """)
+    assert out["child_gain"] > 250 * 2**20
+    assert out["parent_gain"] < 50 * 2**20
+
 def test_host_peak_resets_to_the_current_level():
     block = torch.ones(100 * MiB // 4)
     del block

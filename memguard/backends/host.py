@@ -61,6 +61,7 @@ class _ProcFile:
     """A ``/proc/self`` file kept open and read with ``pread``: ~2 us a read instead of ~13.
 
     The descriptor is reopened after ``fork`` (an inherited one would read the parent).
+    Read through glibc's ``pread`` with the interpreter lock held where glibc is there.
     """
 
     SIZE = 4096
@@ -77,6 +78,7 @@ class _ProcFile:
         if self.fd is None or self.pid != pid:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self.pid = pid
+            self._lock = threading.Lock()  # a fork may have copied it held by another thread
         pread = _held_libc().get("pread")
         if pread is not None:
             with self._lock:
