@@ -132,6 +132,15 @@ class TensorInfo:
     def __hash__(self) -> int:
         return hash(self._row[:8])
 
+    def __copy__(self) -> "TensorInfo":
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict) -> "TensorInfo":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return TensorInfo, self._row[:8]  # pickled: the fields, not the weak reference
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{key}={value!r}" for key, value in zip(_FIELDS, self._row))
         return f"TensorInfo({fields})"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import warnings
 import weakref
 
@@ -99,6 +101,9 @@ def test_tensor_info_is_an_immutable_value():
     assert "nbytes=400" in repr(info) and str(info) == "float32[10, 10] 400 B on cpu"
     made = memguard.TensorInfo("torch", "cpu", "float32", (10, 10), 400, id=id(plain))
     assert made == info and not made.alive
+    assert copy.deepcopy(info) is info and info.alive
+    restored = pickle.loads(pickle.dumps(info))
+    assert restored == info and not restored.alive  # the weak reference stays behind
 
 
 def test_device_and_size_filters():
