@@ -238,14 +238,16 @@ def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
     a tensor that is not a view before views)."""
     rows: list[tuple] = []
     keys: list[Any] = []
-    for classes, census_rows in frameworks.values():
-        objects = _live_objects(classes)
-        try:
-            more_rows, more_keys = census_rows(objects, names)
-        finally:
-            del objects
-        rows += more_rows
-        keys += more_keys
+    objects = _live_objects({cls for classes, _ in frameworks.values() for cls in classes})
+    try:
+        for classes, census_rows in frameworks.values():
+            mine = objects if len(frameworks) == 1 else [o for o in objects if type(o) in classes]
+            more_rows, more_keys = census_rows(mine, names)
+            del mine
+            rows += more_rows
+            keys += more_keys
+    finally:
+        del objects
     if len(set(keys)) == len(keys):
         return rows  # no storage is shared
     owners: dict[Any, int] = {}  # storage -> index of the row that counts it

@@ -242,14 +242,16 @@ def test_tensorflow_tensors_and_variables_are_counted(python_in_subprocess):
     out = python_in_subprocess("""
         import json
         import tensorflow as tf
+        import torch
         import memguard
-        KEEP = [tf.ones((100, 50)), tf.Variable(tf.zeros((20, 10)))]
+        KEEP = [tf.ones((100, 50)), tf.Variable(tf.zeros((20, 10))), torch.ones(30, 7)]
         infos = {tuple(i.shape): i for i in memguard.live_tensors("cpu")}
-        a, v = infos[(100, 50)], infos[(20, 10)]
+        a, v, t = infos[(100, 50)], infos[(20, 10)], infos[(30, 7)]
         print(json.dumps({"a": [a.framework, a.dtype, a.nbytes, a.holders],
-                          "v": [v.framework, v.nbytes]}))
+                          "v": [v.framework, v.nbytes], "t": [t.framework, t.nbytes]}))
     """)
     assert out["a"][:3] == ["tensorflow", "float32", 20_000]
     assert "module __main__, global KEEP[0]" in out["a"][3]
     assert out["v"] == ["tensorflow", 800]
+    assert out["t"] == ["torch", 840]  # one census over both frameworks
     gc.collect()
