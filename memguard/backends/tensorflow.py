@@ -96,12 +96,40 @@ def clear_keras_session() -> bool:
 
 
 # -- tensors ------------------------------------------------------------------------------------
+# TensorFlow's variable classes that never own memory themselves: abstract bases (the
+# metaclass hands out ResourceVariables), graph-only variables, and wrappers over component
+# variables that the census finds on their own (distributed, TPU, autocast). Leaving them out
+# shortens the collector's pass, whose cost grows with the classes it looks for, and keeps a
+# wrapper from counting its components' memory a second time.
+NO_STORAGE = frozenset({
+    "tensorflow.python.ops.variables.Variable",
+    "tensorflow.python.ops.variable_v1.VariableV1",
+    "tensorflow.python.ops.ref_variable.RefVariable",
+    "tensorflow.python.distribute.values.DistributedVariable",
+    "tensorflow.python.distribute.values.MirroredVariable",
+    "tensorflow.python.distribute.values.SyncOnReadVariable",
+    "tensorflow.python.distribute.tpu_values.TPUDistributedVariable",
+    "tensorflow.python.distribute.tpu_values.TPULazyDistributedVariable",
+    "tensorflow.python.distribute.tpu_values.TPUMirroredVariable",
+    "tensorflow.python.distribute.tpu_values.TPUSyncOnReadVariable",
+    "tensorflow.python.distribute.tpu_replicated_variable.TPUReplicatedVariable",
+    "tensorflow.python.distribute.packed_distributed_variable.PackedDistributedVariable",
+    "tensorflow.python.distribute.ps_values.AggregatingVariable",
+    "tensorflow.python.distribute.ps_values.CachingVariable",
+    "tensorflow.python.distribute.ps_values.PerWorkerVariable",
+    "tensorflow.python.keras.mixed_precision.autocast_variable.AutoCastVariable",
+    "tensorflow.python.tpu.tpu_embedding_v3.TPUEmbeddingShardedVariable",
+})
+
+
 def tensor_types() -> set[type]:
-    """TensorFlow's eager tensor and variable classes (graph tensors hold no memory)."""
+    """TensorFlow's eager tensor and variable classes whose instances can own memory (graph
+    tensors hold none)."""
     tf = _tf()
     from tensorflow.python.framework import ops
 
-    return subclasses(ops.EagerTensor, tf.Variable)
+    return {cls for cls in subclasses(ops.EagerTensor, tf.Variable)
+            if f"{cls.__module__}.{cls.__qualname__}" not in NO_STORAGE}
 
 
 def _device(name: str) -> str:
@@ -117,7 +145,11 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         count = tensor.shape.num_elements()
         dtype = tensor.dtype
         nbytes = None if count is None else count * dtype.size
-        return (_device(tensor.device), dtype.name, shape, ("tf", id(tensor)), nbytes or 0, False)
+        # A variable's memory is its resource handle's: variables that share one (such as the
+        # _UnreadVariable an assign returns) count it once.
+        handle = getattr(tensor, "_handle", None)
+        key = ("tf", id(tensor if handle is None else handle))
+        return (_device(tensor.device), dtype.name, shape, key, nbytes or 0, False)
     except (ValueError, AttributeError, RuntimeError, TypeError):
         return None
 
