@@ -15,46 +15,49 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .base import Backend, DeviceMemory, Reading
 
 HOST = "host"
 
 
-_held: dict[str, Any] = {}
+_glibc: dict[str, Any] = {}
 
 
-def _held_libc() -> dict[str, Any]:
-    """glibc's ``pread`` and ``mallinfo2`` called *without* releasing the interpreter lock
-    (``ctypes.PyDLL``), where glibc is there; empty elsewhere.
+def _libc() -> dict[str, Any]:
+    """glibc's functions memguard calls, loaded once; empty without glibc.
 
-    Both take microseconds. Released, each would send a sampling thread back to the end of
-    the queue for the lock, 5 ms behind a busy thread: a monitor at 10 ms got 53 samples a
-    second under a CPU-bound loop that way, and 100 with the lock held.
+    ``pread`` and ``mallinfo2`` take microseconds and are called *without* releasing the
+    interpreter lock (``ctypes.PyDLL``). Released, each would send a sampling thread back to
+    the end of the queue for the lock, 5 ms behind a busy thread: a monitor at 10 ms got 53
+    samples a second under a CPU-bound loop that way, and 100 with the lock held.
+    ``malloc_trim`` can take milliseconds: it lets the lock go (``ctypes.CDLL``).
     """
-    if "loaded" not in _held:
-        _held["loaded"] = True
+    if "loaded" not in _glibc:
+        _glibc["loaded"] = True
         try:
             import ctypes
 
-            libc = ctypes.PyDLL(None)
-            pread = libc.pread
+            held, released = ctypes.PyDLL(None), ctypes.CDLL(None)
+            trim = released.malloc_trim
+            trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+            pread = held.pread
             pread.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
             pread.restype = ctypes.c_ssize_t
-            _held["pread"], _held["buffer"] = pread, ctypes.create_string_buffer
+            _glibc.update(malloc_trim=trim, pread=pread, buffer=ctypes.create_string_buffer)
             fields = ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
                       "keepcost").split()
 
             class MallInfo2(ctypes.Structure):
                 _fields_ = [(f, ctypes.c_size_t) for f in fields]
 
-            mallinfo2 = libc.mallinfo2  # glibc >= 2.33
+            mallinfo2 = held.mallinfo2  # glibc >= 2.33
             mallinfo2.restype = MallInfo2
-            _held["mallinfo2"] = mallinfo2
+            _glibc["mallinfo2"] = mallinfo2
         except (OSError, AttributeError):
             pass
-    return _held
+    return _glibc
 
 
 class _ProcFile:
@@ -79,11 +82,11 @@ class _ProcFile:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self.pid = pid
             self._lock = threading.Lock()  # a fork may have copied it held by another thread
-        pread = _held_libc().get("pread")
+        pread = _libc().get("pread")
         if pread is not None:
             with self._lock:
                 if self._buffer is None:
-                    self._buffer = _held["buffer"](self.SIZE)
+                    self._buffer = _glibc["buffer"](self.SIZE)
                 size = pread(self.fd, self._buffer, self.SIZE, 0)
                 if size >= 0:
                     return self._buffer.raw[:size]
@@ -104,29 +107,11 @@ class HostBackend(Backend):
         self._statm = _ProcFile("statm")
         self._status = _ProcFile("status")
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._libc: Any = None
-        self._libc_loaded = False
-        self._mallinfo: Optional[Callable[[], Any]] = None
         self._clear_refs_ok: Optional[bool] = None
         self._sampled_peak = 0
         self._psutil_proc: Any = None
 
     # -- small readers -------------------------------------------------------------------
-    def _load_libc(self) -> None:
-        if self._libc_loaded:
-            return
-        self._libc_loaded = True
-        self._mallinfo = _held_libc().get("mallinfo2")
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None)  # malloc_trim can take milliseconds: the lock is let go
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            libc.malloc_trim.restype = ctypes.c_int
-            self._libc = libc
-        except (OSError, AttributeError):
-            pass
-
     def _process(self) -> Any:
         if self._psutil_proc is None:
             import psutil
@@ -146,10 +131,10 @@ class HostBackend(Backend):
 
     def malloc_in_use(self) -> Optional[int]:
         """Bytes malloc has handed out (glibc's ``mallinfo2``), or ``None`` without glibc."""
-        self._load_libc()
-        if self._mallinfo is None:
+        mallinfo2 = _libc().get("mallinfo2")
+        if mallinfo2 is None:
             return None
-        info = self._mallinfo()
+        info = mallinfo2()
         return int(info.uordblks + info.hblkhd)
 
     def _vm_hwm(self) -> Optional[int]:
@@ -200,9 +185,9 @@ class HostBackend(Backend):
         return bool(self._clear_refs_ok)
 
     def empty_cache(self) -> None:
-        self._load_libc()
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
+        trim = _libc().get("malloc_trim")
+        if trim is not None:
+            trim(0)
 
 
 def _vm_size() -> int:
