@@ -95,13 +95,14 @@ class Backend:
         raise NotImplementedError
 
 
-def subclasses(*roots: type) -> set[type]:
-    """The ``roots`` and every class derived from them that exists now."""
-    found: set[type] = set()
+def subclasses(*roots: type, excluding: frozenset[str] = frozenset()) -> set[type]:
+    """The ``roots`` and every class derived from them that exists now, less the classes
+    named (``module.QualName``) in ``excluding``; those classes' subclasses stay."""
+    seen: set[type] = set()
     stack = list(roots)
     while stack:
         cls = stack.pop()
-        if cls not in found:
-            found.add(cls)
+        if cls not in seen:
+            seen.add(cls)
             stack.extend(cls.__subclasses__())
-    return found
+    return {cls for cls in seen if f"{cls.__module__}.{cls.__qualname__}" not in excluding}

@@ -128,8 +128,7 @@ def tensor_types() -> set[type]:
     tf = _tf()
     from tensorflow.python.framework import ops
 
-    return {cls for cls in subclasses(ops.EagerTensor, tf.Variable)
-            if f"{cls.__module__}.{cls.__qualname__}" not in NO_STORAGE}
+    return subclasses(ops.EagerTensor, tf.Variable, excluding=NO_STORAGE)
 
 
 def _device(name: str) -> str:

@@ -220,9 +220,8 @@ NO_STORAGE = frozenset({
 
 def tensor_types() -> set[type]:
     """``torch.Tensor`` and every subclass defined now whose instances can own storage
-    (Parameter, Buffer, user subclasses; not torch's wrapper and fake classes)."""
-    return {cls for cls in subclasses(_torch().Tensor)
-            if f"{cls.__module__}.{cls.__qualname__}" not in NO_STORAGE}
+    (Parameter, the program's own subclasses; not torch's wrapper, fake and lazy classes)."""
+    return subclasses(_torch().Tensor, excluding=NO_STORAGE)
 
 
 
