@@ -15,6 +15,7 @@ from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_gr
 from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
 from .history import RecordHistory, record_history
 from .inference import InferenceMode, inference_mode
+from .microbatch import auto_microbatch
 from .monitor import MemoryMonitor
 from .retry import Attempt, oom_retry
 from .scope import MemoryScope, frees_memory, memory_scope
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Attempt", "DeviceMemory", "InferenceMode", "MemguardError", "MemoryLeakError",
     "MemoryLimit", "MemoryMonitor", "MemoryScope", "MemorySnapshot", "OutOfMemoryError",
-    "activate", "configure_allocator", "find_batch_size", "memory_limit", "tf_memory_growth",
+    "activate", "auto_microbatch", "configure_allocator", "find_batch_size", "memory_limit", "tf_memory_growth",
     "format_bytes", "free_memory", "frees_memory", "inference_mode", "is_oom_error",
     "list_devices", "live_tensors", "map_batches", "memory_report", "memory_scope",
     "oom_retry", "parse_size", "record_history", "RecordHistory", "snapshot", "TensorInfo",

@@ -61,3 +61,24 @@ def name_of(func: Any) -> str:
     target = getattr(func, "__func__", func)
     return getattr(target, "__qualname__", repr(target))
 
+
+
+def with_statistics(func: Any, wrapper: Callable[..., Any],
+                    attributes: dict[str, tuple[Callable[[], Any], str]],
+                    reset: Callable[[], None]) -> Any:
+    """``wrapt.FunctionWrapper(func, wrapper)`` whose instances, bound to an object or not,
+    expose each of ``attributes`` (``name: (getter, doc)``) as a read-only property and
+    ``reset()``, as tenacity's retrying functions expose their statistics."""
+    import wrapt
+
+    def reset_method(self: Any) -> None:
+        reset()
+
+    reset_method.__doc__ = reset.__doc__
+    members: dict[str, Any] = {name: property(lambda self, get=get: get(), doc=doc)
+                               for name, (get, doc) in attributes.items()}
+    members["reset"] = reset_method
+    bound = type("BoundWithStatistics", (wrapt.BoundFunctionWrapper,), dict(members))
+    members["__bound_function_wrapper__"] = bound
+    unbound = type("FunctionWithStatistics", (wrapt.FunctionWrapper,), members)
+    return unbound(func, wrapper)

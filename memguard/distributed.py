@@ -43,6 +43,14 @@ class Agreement:
         worst, negative = torch_distributed.all_max([status, -size])
         return worst, -negative
 
+    def worst(self, status: int, flags: list[int]) -> tuple[int, list[int]]:
+        """The worst status over the ranks, and each of ``flags`` set on any rank (the
+        flags must have the same length on every rank)."""
+        if not self.active:
+            return status, flags
+        values = torch_distributed.all_max([status, *flags])
+        return values[0], values[1:]
+
     def smallest(self, size: int) -> int:
         """The smallest ``size`` over the ranks."""
         return self.agree(OK, size)[1]

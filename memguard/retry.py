@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
-from ._decorate import function_kind, name_of
+from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
 from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
@@ -212,7 +212,7 @@ class _Run:
         if mine == FAILED:
             return False
         self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
-                                     _safe_snapshot(), self._dump()))
+                                     safe_snapshot(), self._dump()))
         emit(f"OOM at {self.cfg.arg}={self.size}")
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
@@ -236,7 +236,7 @@ class _Run:
         why = ("another rank ran out of memory" if worst == OOM else
                "another rank failed with an error that is not an out-of-memory")
         self.attempts.append(Attempt(self.size, self.steps(), False, why, seconds,
-                                     _safe_snapshot()))
+                                     safe_snapshot()))
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: {why}; see that rank's log")
         self._decide(None)
@@ -268,7 +268,8 @@ class _Run:
             self.cfg.on_retry(last)
 
 
-def _safe_snapshot() -> Optional[MemorySnapshot]:
+def safe_snapshot() -> Optional[MemorySnapshot]:
+    """A snapshot, or ``None`` when reading fails (at an out-of-memory, say)."""
     try:
         return snapshot()
     except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
@@ -277,8 +278,6 @@ def _safe_snapshot() -> Optional[MemorySnapshot]:
 
 def _wrap(func: F, cfg: _Config) -> F:
     """The wrapt wrapper, with the statistics reachable on the decorated function."""
-    import wrapt
-
     state = _State()
     kind = function_kind(func)
     if kind not in ("sync", "async"):
@@ -321,31 +320,19 @@ def _wrap(func: F, cfg: _Config) -> F:
         finally:
             run.close()
 
-    class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
-        history = property(lambda self: state.history)
-        batch_size = property(lambda self: state.batch_size)
+    def reset() -> None:
+        """Forget the working sizes: the next call starts at the requested size."""
+        with state.lock:
+            state.cache.clear()
+            state.batch_size = None
+            state.history = []
 
-        def reset(self) -> None:
-            _reset(state)
-
-    class Retrying(wrapt.FunctionWrapper):  # type: ignore[misc]
-        __bound_function_wrapper__ = Bound
-        history = property(lambda self: state.history, doc="The last call's attempts.")
-        batch_size = property(lambda self: state.batch_size,
-                              doc="The last size that worked (None before any success).")
-
-        def reset(self) -> None:
-            """Forget the working sizes: the next call starts at the requested size."""
-            _reset(state)
-
-    return Retrying(func, async_wrapper if kind == "async" else sync_wrapper)
-
-
-def _reset(state: _State) -> None:
-    with state.lock:
-        state.cache.clear()
-        state.batch_size = None
-        state.history = []
+    return with_statistics(
+        func, async_wrapper if kind == "async" else sync_wrapper,
+        {"history": (lambda: state.history, "The last call's attempts."),
+         "batch_size": (lambda: state.batch_size,
+                        "The last size that worked (None before any success).")},
+        reset)
 
 
 def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,

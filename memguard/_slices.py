@@ -1,0 +1,165 @@
+"""One way to measure a batch and cut it into slices along its first dimension.
+
+A batch is whatever a ``DataLoader`` (or a hand-written loop) yields, and its parts fall in
+three kinds:
+
+- **per-sample** parts are cut: an array-like with at least one dimension (a torch or
+  TensorFlow tensor, a numpy array: anything with a ``shape`` and slicing), and a plain
+  ``list`` or ``tuple`` whose items are not themselves batch parts (strings, numbers, file
+  names: one item per sample);
+- **containers** are rebuilt around their cut parts, keeping their type: any ``Mapping``
+  (``dict``, ``OrderedDict``, a Hugging Face ``BatchEncoding``), a named tuple, and a plain
+  ``list``/``tuple`` that holds at least one batch part (``(x, y)``, ``[ids, mask, labels]``);
+- **shared** parts are handed to every slice as they are: scalars, 0-dim tensors, ``None``,
+  strings, other objects, and tuple subclasses that are records (a ``torch.Size``).
+
+Every per-sample part must have the same length. One ambiguity is settled by rule: a
+``list``/``tuple`` of batch parts whose lengths differ (variable-length sequences, one tensor
+per sample) is a list of per-sample items; when their lengths agree it is a container.
+
+This module never imports a framework: parts are recognised by their ``shape``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Optional
+
+SHARED, SAMPLES, ITEMS, MAPPING, SEQUENCE = "shared", "samples", "items", "mapping", "sequence"
+
+
+def _shape_length(value: Any) -> Optional[int]:
+    """The first dimension of an array-like with at least one dimension, else ``None``."""
+    shape = getattr(value, "shape", None)
+    if shape is None or isinstance(value, type):
+        return None
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        return None
+    if not dims or not hasattr(value, "__getitem__"):
+        return None
+    try:
+        return int(dims[0])
+    except (TypeError, ValueError):  # an unknown dimension (a symbolic TensorFlow shape)
+        return None
+
+
+def _is_named_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _is_plain_sequence(value: Any) -> bool:
+    """A list (or list subclass) or a plain tuple; tuple subclasses are records."""
+    return isinstance(value, list) or type(value) is tuple
+
+
+class Plan:
+    """How one part of a batch is cut: its kind, its length and, for containers, its parts.
+
+    >>> plan = Plan.of({"x": [[1, 2], [3, 4], [5, 6]], "name": ["a", "b", "c"], "lr": 0.1})
+    >>> plan.length
+    3
+    >>> plan.cut({"x": [[1, 2], [3, 4], [5, 6]], "name": ["a", "b", "c"], "lr": 0.1}, 1, 3)
+    {'x': [[3, 4], [5, 6]], 'name': ['b', 'c'], 'lr': 0.1}
+    """
+
+    __slots__ = ("kind", "length", "parts")
+
+    def __init__(self, kind: str, length: Optional[int], parts: Any = None) -> None:
+        self.kind = kind
+        self.length = length
+        self.parts = parts
+
+    @classmethod
+    def of(cls, value: Any, where: str = "batch") -> "Plan":
+        """The plan of ``value``; ``ValueError`` when its per-sample parts disagree."""
+        length = _shape_length(value)
+        if length is not None:
+            return cls(SAMPLES, length)
+        if isinstance(value, Mapping):
+            parts = {key: cls.of(item, f"{where}[{key!r}]") for key, item in value.items()}
+            return cls(MAPPING, _common(parts, where), parts)
+        if _is_named_tuple(value):
+            parts = {i: cls.of(item, f"{where}.{name}")
+                     for i, (name, item) in enumerate(zip(type(value)._fields, value))}
+            return cls(SEQUENCE, _common(parts, where), parts)
+        if _is_plain_sequence(value):
+            return cls._sequence(value, where)
+        return cls(SHARED, None)
+
+    @classmethod
+    def _sequence(cls, value: Any, where: str) -> "Plan":
+        parts = {i: cls.of(item, f"{where}[{i}]") for i, item in enumerate(value)}
+        if not any(p.kind != SHARED for p in parts.values()):
+            return cls(ITEMS, len(value))  # strings, numbers: one item per sample
+        lengths = {p.length for p in parts.values() if p.length is not None}
+        if len(lengths) <= 1 and lengths:
+            return cls(SEQUENCE, lengths.pop(), parts)
+        if all(p.kind != SHARED for p in parts.values()):
+            return cls(ITEMS, len(value))  # one batch part per sample (ragged sequences)
+        return cls(SEQUENCE, _common(parts, where), parts)
+
+    def cut(self, value: Any, start: int, stop: int) -> Any:
+        """``value``'s samples ``start:stop``, shared parts as they are."""
+        if self.kind == SHARED:
+            return value
+        if self.kind in (SAMPLES, ITEMS):
+            return value[start:stop]
+        if self.kind == MAPPING:
+            return _rebuild_mapping(value, {key: plan.cut(value[key], start, stop)
+                                            for key, plan in self.parts.items()})
+        items = [plan.cut(item, start, stop) for plan, item in zip(self.parts.values(), value)]
+        if _is_named_tuple(value):
+            return type(value)(*items)
+        return type(value)(items)
+
+
+def _common(parts: dict[Any, Plan], where: str) -> Optional[int]:
+    lengths = {key: p.length for key, p in parts.items() if p.length is not None}
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
+        raise ValueError(f"auto_microbatch: the per-sample parts of {where} disagree on the "
+                         f"number of samples ({listed}); every tensor, array and per-sample "
+                         f"list in a batch must have the same length along dim 0")
+    return next(iter(lengths.values()), None)
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+    """A mapping of ``original``'s type (and attributes) holding ``items``."""
+    if isinstance(original, MutableMapping):
+        try:
+            new = copy.copy(original)
+        except Exception:  # noqa: BLE001 - a type that does not copy: build it instead
+            pass
+        else:
+            for key, item in items.items():
+                new[key] = item
+            return new
+    try:
+        return type(original)(items)  # type: ignore[call-arg]
+    except Exception as exc:
+        raise TypeError(f"auto_microbatch cannot rebuild a {type(original).__name__} from "
+                        f"its slices ({exc}); pass the batch as a dict") from exc
+
+
+def plan_batch(batch: Any) -> Plan:
+    """The plan of a whole batch: ``TypeError`` when nothing in it is per-sample.
+
+    >>> plan_batch([1, 2, 3]).length
+    3
+    """
+    plan = Plan.of(batch)
+    if plan.length is None:
+        raise TypeError(f"auto_microbatch cannot split a batch of type "
+                        f"{type(batch).__module__}.{type(batch).__qualname__} ({_short(batch)}): "
+                        f"it has no per-sample part. A batch is a tensor, an array, a "
+                        f"list/tuple or a dict/Mapping of those (nested), or a list of "
+                        f"per-sample items")
+    return plan
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,174 @@
+"""What ``auto_microbatch`` needs from torch: a model's gradients set aside and merged back,
+a weighted backward, and, under ``DistributedDataParallel``, gradients kept local while slices
+run and averaged once afterwards.
+
+Gradients on entry are *moved* aside (``p.grad = None``), not copied: a pass then writes fresh
+gradients, which are dropped whole when the pass fails and added to the entry gradients when
+the step succeeds. Nothing is copied unless the user accumulates across steps, and even then
+only one addition per parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket size: the most the averaging concatenates
+
+
+def parameters(model: Any) -> list[Any]:
+    """The parameters of ``model`` that take gradients; ``TypeError`` for a non-module."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"auto_microbatch needs the torch.nn.Module being trained, got "
+                        f"{type(model).__name__}: {model!r:.80}")
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def stash(params: list[Any]) -> list[Any]:
+    """Move each parameter's gradient aside; the parameters are left with none."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return saved
+
+
+def drop(params: list[Any]) -> None:
+    """Forget the gradients written since :func:`stash`."""
+    for p in params:
+        p.grad = None
+
+
+def restore(params: list[Any], saved: list[Any]) -> None:
+    """Put the stashed gradients back, dropping any written since."""
+    for p, grad in zip(params, saved):
+        p.grad = grad
+
+
+def merge(params: list[Any], saved: list[Any]) -> None:
+    """Each parameter's gradient becomes stashed + new (in the stashed tensor)."""
+    import torch
+
+    with torch.no_grad():
+        for p, old in zip(params, saved):
+            if old is None:
+                continue
+            if p.grad is not None:
+                old.add_(p.grad)
+            p.grad = old
+
+
+def backward(loss: Any, weight: float, scaler: Any, total: Any, who: str) -> Any:
+    """``(loss * weight).backward()`` (through ``scaler`` when given); returns ``total`` plus
+    the weighted loss, detached."""
+    import torch
+
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{who} must return the loss as a torch.Tensor, got "
+                        f"{type(loss).__name__}")
+    if loss.numel() != 1:
+        raise TypeError(f"{who} must return a scalar loss, got a tensor of shape "
+                        f"{tuple(loss.shape)}; reduce it (loss.mean() or loss.sum())")
+    if weight != 1.0:
+        loss = loss * weight
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    value = loss.detach().reshape(())
+    return value if total is None else total + value
+
+
+def reset_scaler(scaler: Any) -> None:
+    """Forget what ``scaler`` recorded for the optimizers during a failed pass."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states:
+        states.clear()
+
+
+def ddp_of(model: Any) -> Optional[Any]:
+    """``model`` when it is a ``DistributedDataParallel``, else ``None``."""
+    import torch
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return model if isinstance(model, ddp) else None
+
+
+def group_size(ddp: Any) -> int:
+    """The number of ranks of ``ddp``'s process group."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(ddp.process_group)
+
+
+@contextlib.contextmanager
+def local_gradients(ddp: Optional[Any]) -> Iterator[bool]:
+    """Run the block with ``ddp`` neither reducing gradients in backward nor broadcasting
+    buffers in forward (collectives that a peer's out-of-memory would leave unmatched).
+
+    Yields whether DDP would have synchronised this step (``False`` inside the user's own
+    ``no_sync()``). Buffers are broadcast from the group's first rank on entry, where DDP's
+    first forward of the step would have: every rank is at the same point there.
+    """
+    if ddp is None:
+        yield False
+        return
+    import torch.distributed as dist
+
+    syncs = bool(ddp.require_backward_grad_sync)
+    forward_sync = ddp.require_forward_param_sync
+    if syncs and forward_sync and getattr(ddp, "broadcast_buffers", False):
+        source = dist.get_global_rank(ddp.process_group, 0)
+        for buffer in ddp.module.buffers():
+            dist.broadcast(buffer, src=source, group=ddp.process_group)
+    ddp.require_backward_grad_sync = False
+    ddp.require_forward_param_sync = False
+    try:
+        yield syncs
+    finally:
+        ddp.require_backward_grad_sync = syncs
+        ddp.require_forward_param_sync = forward_sync
+
+
+def presence(params: list[Any], saved: list[Any]) -> list[int]:
+    """1 for each parameter that has a gradient (stashed or new), else 0."""
+    return [int(p.grad is not None or old is not None) for p, old in zip(params, saved)]
+
+
+def average(params: list[Any], present: list[int], group: Any) -> None:
+    """Average the gradients over ``group`` as DDP would: a parameter that has a gradient on
+    some rank gets one on every rank (zeros where it had none); one that has none anywhere
+    keeps none. Gradients travel in buckets of at most ``BUCKET_BYTES``, by device and dtype.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    grads = []
+    with torch.no_grad():
+        for p, anywhere in zip(params, present):
+            if not anywhere:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                raise NotImplementedError("auto_microbatch cannot average sparse gradients "
+                                          "over DDP ranks; use dense embeddings")
+            grads.append(p.grad)
+        buckets: dict[tuple, list[list[Any]]] = {}
+        filled: dict[tuple, int] = {}
+        for grad in grads:
+            key, size = (grad.device, grad.dtype), grad.numel() * grad.element_size()
+            chain = buckets.setdefault(key, [[]])
+            if chain[-1] and filled[key] + size > BUCKET_BYTES:
+                chain.append([])
+                filled[key] = 0
+            chain[-1].append(grad)
+            filled[key] = filled.get(key, 0) + size
+        for chain in buckets.values():
+            for bucket in chain:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                flat.div_(world)
+                dist.all_reduce(flat, group=group)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()

@@ -1,0 +1,322 @@
+"""``auto_microbatch``: a training step that survives out-of-memory by redoing the same batch in
+slices, with gradients accumulated exactly, and under ``DistributedDataParallel`` without a
+rank left waiting in a collective.
+
+The order of one call:
+
+1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
+   survives anything that follows).
+2. A pass runs the decorated function and backward on each slice of the batch (the whole
+   batch at first, or the size that worked before), weighting each slice's loss by its share of
+   the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
+   collectives that a peer's out-of-memory would leave unmatched.
+3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
+   are dropped, memory is freed, and the pass is redone at a smaller slice size.
+4. Ranks agree after every pass, on memguard's gloo group: a rank that is done waits for the
+   others; any rank's failure ends the step on every rank with an error.
+5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
+   the ranks once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Literal, Optional, TypeVar
+
+from ._decorate import function_kind, name_of, with_statistics
+from ._events import emit
+from ._slices import Plan, plan_batch
+from ._units import format_bytes
+from .backends import torch_distributed
+from .backends import torch_training as training
+from .cleanup import drop_frames, free_memory
+from .distributed import FAILED, OK, OOM, Agreement, Sync
+from .errors import MemguardError, OutOfMemoryError, oom_kind
+from .retry import Attempt, check_factor, check_size, error_text, memory_summary, safe_snapshot
+
+log = logging.getLogger("memguard")
+F = TypeVar("F", bound=Callable[..., Any])
+Reduction = Literal["mean", "sum"]
+
+
+class _Config:
+    def __init__(self, func: Callable[..., Any], model: Any, min_size: int, factor: float,
+                 reduction: str, grow_every: Optional[int], scaler: Any, sync: Sync) -> None:
+        self.name = name_of(func)
+        target = getattr(func, "__func__", func)
+        self.names = list(inspect.signature(target).parameters)
+        if not self.names:
+            raise TypeError(f"auto_microbatch: {self.name}() takes no argument; its first "
+                            f"parameter receives the batch")
+        self.model = model
+        self.min_size = min_size
+        self.factor = factor
+        self.reduction = reduction
+        self.grow_every = grow_every
+        self.scaler = scaler
+        self.sync = sync
+
+    def split_arguments(self, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple,
+                                                                                dict]:
+        """The batch, and the other arguments to pass to every slice's call."""
+        if args:
+            return args[0], args[1:], kwargs
+        name = self.names[1 if instance is not None and len(self.names) > 1 else 0]
+        if name in kwargs:
+            rest = dict(kwargs)
+            return rest.pop(name), (), rest
+        raise TypeError(f"{self.name}() needs the batch as its first argument")
+
+
+class _State:
+    """What the decorated function remembers between steps."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.microbatch_size: Optional[int] = None
+        self.clean_steps = 0
+        self.history: list[Attempt] = []
+
+
+class _Step:
+    """One call: its passes over the batch, their attempts and the ranks' agreement."""
+
+    def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
+        self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
+        self.samples = n = int(plan.length or 0)
+        with state.lock:
+            remembered = state.microbatch_size
+            grow = (cfg.grow_every is not None and remembered is not None and remembered < n
+                    and state.clean_steps >= cfg.grow_every)
+        self.size = remembered if remembered is not None and remembered < n else n
+        self.fallback: Optional[int] = None
+        if grow:
+            self.fallback, self.size = self.size, min(n, math.ceil(self.size / cfg.factor))
+            log.info("%s: %d clean steps at microbatch %d; trying %d", cfg.name,
+                     state.clean_steps, self.fallback, self.size)
+        self.attempts: list[Attempt] = []
+        with state.lock:
+            state.history = self.attempts
+        self.started = 0.0
+        self.params = training.parameters(cfg.model)
+        self.ddp = training.ddp_of(cfg.model)
+        self.agreement = Agreement(cfg.sync)
+        world = torch_distributed.world()
+        if self.ddp is not None and self.agreement.active and world is not None \
+                and training.group_size(self.ddp) != world[1]:
+            raise NotImplementedError(
+                f"auto_microbatch: {cfg.name}'s DDP model runs on a process group of "
+                f"{training.group_size(self.ddp)} ranks while the job has {world[1]}; ranks "
+                f"agree over the whole job, so the DDP group must span it")
+
+    def slices(self) -> int:
+        return math.ceil(self.samples / self.size)
+
+    # -- the call --------------------------------------------------------------------------
+    def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        entry = training.stash(self.params)
+        try:
+            with training.local_gradients(self.ddp) as syncs:
+                total, present = self._passes(wrapped, args, kwargs, entry, syncs)
+            training.merge(self.params, entry)
+        except BaseException:
+            training.restore(self.params, entry)
+            raise
+        if syncs:
+            training.average(self.params, present, self.ddp.process_group)
+        self._remember()
+        return total
+
+    def _passes(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict,
+                entry: list[Any], syncs: bool) -> tuple[Any, list[int]]:
+        total, done = None, False
+        while True:
+            status, error, give_up = OK, None, False
+            if not done:
+                self.started = time.perf_counter()
+                try:
+                    total = self._pass(wrapped, args, kwargs)
+                except Exception as exc:  # BaseException (Ctrl-C, exit) leaves at once
+                    status, give_up = self._failed(exc)
+                    error = exc
+                else:
+                    done = True
+                    self.attempts.append(Attempt(self.size, self.slices(), True, None,
+                                                 time.perf_counter() - self.started))
+            freed = self._recover() if status == OOM else 0
+            flags = training.presence(self.params, entry) if syncs else []
+            worst, flags = self.agreement.worst(FAILED if give_up else status, flags)
+            if status == FAILED:
+                raise error  # type: ignore[misc]
+            if give_up:
+                raise self._exhausted() from error
+            if worst == FAILED:
+                raise MemguardError(f"{self.cfg.name}: another rank failed (an error that is "
+                                    f"not an out-of-memory, or out of memory at its smallest "
+                                    f"microbatch); see that rank's log")
+            if worst == OK:
+                return total, flags
+            if status == OOM:
+                last = self.attempts[-1]
+                log.warning("%s: %s at microbatch %d of %d samples; %s; freed %s; redoing the "
+                            "batch in slices of %d", self.cfg.name, last.error,
+                            last.batch_size, self.samples, memory_summary(last.memory),
+                            format_bytes(freed), self.size)
+            else:
+                log.info("%s: another rank ran out of memory; waiting for it", self.cfg.name)
+
+    def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Forward and backward of every slice; the summed weighted loss, detached."""
+        cfg, n, size = self.cfg, self.samples, self.size
+        who = f"{cfg.name}()"
+        if size >= n:
+            return training.backward(wrapped(self.batch, *args, **kwargs), 1.0, cfg.scaler,
+                                     None, who)
+        total = None
+        for start in range(0, n, size):
+            stop = min(n, start + size)
+            weight = 1.0 if cfg.reduction == "sum" else (stop - start) / n
+            piece = self.plan.cut(self.batch, start, stop)
+            total = training.backward(wrapped(piece, *args, **kwargs), weight, cfg.scaler,
+                                      total, who)
+        return total
+
+    # -- an out-of-memory ------------------------------------------------------------------
+    def _failed(self, exc: BaseException) -> tuple[int, bool]:
+        """Inside ``except``: the status, and whether this rank has no smaller size left."""
+        if oom_kind(exc) is None:
+            return FAILED, False
+        self.attempts.append(Attempt(self.size, self.slices(), False, error_text(exc),
+                                     time.perf_counter() - self.started, safe_snapshot()))
+        emit(f"OOM at microbatch={self.size}")
+        drop_frames(exc)
+        upcoming = self._next_size()
+        if upcoming is None:
+            return OOM, True
+        self.size = upcoming
+        return OOM, False
+
+    def _next_size(self) -> Optional[int]:
+        if self.fallback is not None:  # a larger size tried after clean steps: step back
+            size, self.fallback = self.fallback, None
+            return size
+        if self.size <= self.cfg.min_size:
+            return None
+        return max(self.cfg.min_size, math.floor(self.size * self.cfg.factor))
+
+    def _recover(self) -> int:
+        """Outside ``except``: drop the failed pass's gradients, free its memory."""
+        training.drop(self.params)
+        if self.cfg.scaler is not None:
+            training.reset_scaler(self.cfg.scaler)
+        return free_memory()
+
+    def _exhausted(self) -> OutOfMemoryError:
+        tried = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})"
+                          for a in self.attempts)
+        return OutOfMemoryError(
+            f"{self.cfg.name}: out of memory at every microbatch size tried for a batch of "
+            f"{self.samples}: {tried}. Lower min_size, free memory held elsewhere, or use a "
+            f"smaller model", self.attempts)
+
+    def _remember(self) -> None:
+        failed = any(not a.ok for a in self.attempts)
+        grew = len(self.attempts) == 1 and self.fallback is not None
+        with self.state.lock:
+            if grew or (failed and self.size < self.samples):
+                self.state.microbatch_size = self.size if self.size < self.samples else None
+            self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
+
+
+def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
+                    reduction: Reduction = "mean", grow_every: Optional[int] = None,
+                    scaler: Any = None, sync: Sync = "auto") -> Callable[[F], F]:
+    """Run a training step's forward and backward, redoing the batch in slices on
+    out-of-memory, with the same gradients as one backward of the whole batch.
+
+    The decorated function takes the batch as its first argument (other arguments are passed
+    to every call as they are) and returns the scalar loss of what it was given. memguard
+    calls backward itself and returns the whole batch's loss, detached. On an out-of-memory
+    (:func:`is_oom_error`) in forward or backward, the pass's partial gradients are dropped,
+    memory is freed outside ``except``, and the same batch is redone in slices of
+    ``max(min_size, floor(size * factor))`` samples along dim 0. With ``reduction="mean"``
+    each slice's loss is weighted by ``len(slice) / len(batch)`` (exact for a loss that is a
+    mean over samples); ``"sum"`` adds the slices' losses as they are. Gradients the
+    parameters held on entry are kept; any other exception propagates at once with them
+    restored. When ``min_size`` fails too: :class:`OutOfMemoryError` with every size tried.
+
+    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept),
+    nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
+    go to every slice as they are. The size that fitted is kept for later calls
+    (``.microbatch_size``; ``None`` while the whole batch fits); ``grow_every=N`` tries the
+    next larger size (``size / factor``) after N steps without an out-of-memory and steps
+    back at once if it fails. ``scaler``, a ``torch.amp.GradScaler``, scales each backward.
+    ``.history`` holds the last call's :class:`Attempt` records (``batch_size`` is the slice
+    size, ``accumulation_steps`` the number of slices); ``.reset()`` forgets the size.
+
+    With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
+    and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
+    rank's out-of-memory, in forward or backward, hangs no one), and the gradients are
+    averaged once over the DDP group afterwards, as DDP would have (not inside the user's own
+    ``no_sync()``). Every rank must call the step, as DDP requires.
+
+    >>> import torch, memguard
+    >>> model = torch.nn.Linear(4, 1)
+    >>> @memguard.auto_microbatch(model)
+    ... def loss_of(batch):
+    ...     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    >>> loss = loss_of({"x": torch.ones(8, 4), "y": torch.zeros(8, 1)})
+    >>> loss.requires_grad, model.weight.grad is not None, loss_of.microbatch_size
+    (False, True, None)
+    """
+    check_size(min_size, "min_size")
+    factor = check_factor(factor)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
+                         f"{reduction!r}")
+    if grow_every is not None:
+        check_size(grow_every, "grow_every")
+    if sync not in (True, False, "auto"):
+        raise ValueError(f"auto_microbatch: sync must be True, False or 'auto', got {sync!r}")
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
+                        f"its scale()), got {type(scaler).__name__}")
+    if callable(model) and not hasattr(model, "parameters"):
+        raise TypeError(f"auto_microbatch takes the model first: "
+                        f"@auto_microbatch(model), not @auto_microbatch (got {model!r:.80})")
+    training.parameters(model)
+
+    def decorate(func: F) -> F:
+        kind = function_kind(func)
+        if kind != "sync":
+            raise TypeError(f"auto_microbatch cannot decorate {kind} function "
+                            f"{name_of(func)}: backward runs synchronously")
+        cfg = _Config(func, model, min_size, factor, reduction, grow_every, scaler, sync)
+        state = _State()
+
+        def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+            batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
+            plan = plan_batch(batch)
+            if not plan.length:
+                raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
+            return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
+
+        def reset() -> None:
+            """Forget the microbatch size: the next call starts with the whole batch."""
+            with state.lock:
+                state.microbatch_size = None
+                state.clean_steps = 0
+                state.history = []
+
+        return with_statistics(
+            func, wrapper,
+            {"microbatch_size": (lambda: state.microbatch_size,
+                                 "The slice size that fitted (None while whole batches do)."),
+             "history": (lambda: state.history, "The last call's attempts.")},
+            reset)
+
+    return decorate
