@@ -1,0 +1,407 @@
+"""auto_microbatch on real torch allocation failures (no budget needed).
+
+A slice larger than a step's ``limit`` asks the CPU allocator for petabytes and gets its real
+out-of-memory error, in forward or, through ``Hungry``, in backward once some parameters
+already hold part of their gradients. test_microbatch_budget.py runs the budgeted ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memguard
+from memguard import _events
+
+
+class Hungry(torch.autograd.Function):
+    """Identity whose backward runs out of memory for more than ``limit`` samples."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.shape[0] > ctx.limit:
+            torch.empty(grad.shape[0] << 42)
+        return grad, None
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 1)
+        self.forward_limit = 10**9
+        self.backward_limit = 10**9
+
+    def forward(self, x):
+        if x.shape[0] > self.forward_limit:
+            torch.empty(x.shape[0] << 42)
+        hidden = Hungry.apply(torch.relu(self.first(x)), self.backward_limit)
+        return self.second(hidden)
+
+
+def data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+
+def pair():
+    torch.manual_seed(0)
+    model = Net()
+    return model, copy.deepcopy(model)
+
+
+def grads(model):
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def assert_close(a, b, tol=1e-6):
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() <= tol
+
+
+def test_whole_batch_that_fits_is_one_plain_backward():
+    model, ref = pair()
+    x, y = data()
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss = loss_of((x, y))
+    expected = F.mse_loss(ref(x), y)
+    expected.backward()
+    assert loss.shape == () and not loss.requires_grad and torch.equal(loss, expected.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)  # bit for bit: no weighting, no slicing
+    assert loss_of.microbatch_size is None and [a.ok for a in loss_of.history] == [True]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("n, sizes", [(256, [256, 128, 64]), (250, [250, 125, 62])])
+def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, sizes):
+    model, ref = pair()
+    setattr(model, f"{where}_limit", 70)
+    x, y = data(n)
+    seen = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        seen.append(len(batch[0]))
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss = loss_of((x, y))
+    expected = F.mse_loss(ref(x), y)
+    expected.backward()
+    assert [a.batch_size for a in loss_of.history] == sizes
+    assert [a.ok for a in loss_of.history] == [False, False, True]
+    assert "torch CPU allocator" in loss_of.history[0].error
+    assert loss_of.history[-1].accumulation_steps == -(-n // sizes[-1])
+    if n == 250:  # 62 + 62 + 62 + 62 + 2, the last weighted by its own length
+        assert seen[-5:] == [62, 62, 62, 62, 2]
+    assert abs(loss.item() - expected.item()) < 1e-6
+    assert_close(grads(model), grads(ref))
+    assert loss_of.microbatch_size == sizes[-1]
+
+    seen.clear()
+    loss_of((x, y))  # the next step starts at the size that worked: one attempt
+    assert len(loss_of.history) == 1 and loss_of.history[0].batch_size == sizes[-1]
+    assert seen == [len(s) for s in torch.arange(n).split(sizes[-1])]
+
+
+def test_reduction_sum_adds_slices_unweighted():
+    model, ref = pair()
+    model.forward_limit = 100
+    x, y = data()
+
+    @memguard.auto_microbatch(model, reduction="sum")
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    loss = loss_of((x, y))
+    expected = F.mse_loss(ref(x), y, reduction="sum")
+    expected.backward()
+    assert loss_of.microbatch_size == 64
+    assert abs(loss.item() - expected.item()) < 1e-3
+    assert_close(grads(model), grads(ref), 1e-4)
+
+
+def test_entry_gradients_are_kept_and_only_the_failed_pass_is_dropped():
+    model, ref = pair()
+    x, y = data()
+    for m in (model, ref):  # deliberate accumulation from an earlier step
+        F.mse_loss(m(x[:32] * 2), y[:32]).backward()
+    model.backward_limit = 100  # partial gradients exist when backward fails
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    F.mse_loss(ref(x), y).backward()
+    assert loss_of.microbatch_size == 64
+    assert_close(grads(model), grads(ref))
+
+
+def test_other_errors_propagate_at_once_with_entry_gradients_restored():
+    model, _ = pair()
+    x, y = data()
+    F.mse_loss(model(x), y).backward()
+    entry = [p.grad for p in model.parameters()]
+    entry_values = grads(model)
+    model.forward_limit = 100
+    calls = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        calls.append(len(batch[0]))
+        if len(calls) == 4:  # the second slice of the pass at 64
+            raise ValueError("bad sample")
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match="bad sample"):
+        loss_of((x, y))
+    assert calls == [256, 128, 64, 64]
+    assert all(p.grad is g for p, g in zip(model.parameters(), entry))
+    assert_close(grads(model), entry_values, 0.0)
+
+
+def test_min_size_failing_too_raises_with_every_size_and_keeps_entry_gradients():
+    model, _ = pair()
+    model.forward_limit = 10
+    x, y = data(64)
+
+    @memguard.auto_microbatch(model, min_size=16)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(memguard.OutOfMemoryError, match="every microbatch size") as info:
+        loss_of((x, y))
+    assert [a.batch_size for a in info.value.attempts] == [64, 32, 16]
+    assert memguard.is_oom_error(info.value.__cause__)
+    assert all(p.grad is None for p in model.parameters())
+    assert [a.batch_size for a in loss_of.history] == [64, 32, 16]
+
+
+def test_interrupt_is_never_retried():
+    model, _ = pair()
+    x, y = data(64)
+    calls = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        calls.append(len(batch[0]))
+        try:
+            torch.empty(1 << 60)
+        except RuntimeError:
+            raise KeyboardInterrupt  # Ctrl-C while handling an out-of-memory
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(KeyboardInterrupt):
+        loss_of((x, y))
+    assert calls == [64]
+
+
+def test_grow_every_tries_a_larger_size_and_steps_back_at_once():
+    model, _ = pair()
+    x, y = data(256)
+    model.forward_limit = 100
+
+    @memguard.auto_microbatch(model, grow_every=2)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    sizes = []
+    for step in range(8):
+        if step == 4:
+            model.forward_limit = 200  # shorter sequences now: 128 fits
+        loss_of((x, y))
+        sizes.append([a.batch_size for a in loss_of.history])
+    assert sizes[:4] == [[256, 128, 64], [64], [64], [128, 64]]  # grown 128 fails, back to 64
+    assert sizes[4:] == [[64], [64], [128], [128]]  # two clean steps later 128 fits
+    assert loss_of.microbatch_size == 128
+
+
+def test_growing_back_to_the_whole_batch_forgets_the_size():
+    model, _ = pair()
+    x, y = data(256)
+    model.forward_limit = 200
+
+    @memguard.auto_microbatch(model, grow_every=1)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    model.forward_limit = 10**9
+    loss_of((x, y))  # the split step was not clean; this one is
+    assert [a.batch_size for a in loss_of.history] == [128]
+    loss_of((x, y))
+    assert [a.batch_size for a in loss_of.history] == [256]
+    assert loss_of.microbatch_size is None
+
+
+def test_smaller_batches_than_the_remembered_size_run_whole():
+    model, _ = pair()
+    x, y = data(256)
+    model.forward_limit = 100
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    loss_of((x[:40], y[:40]))
+    assert [a.batch_size for a in loss_of.history] == [40]
+    assert loss_of.microbatch_size == 64
+    loss_of.reset()
+    assert loss_of.microbatch_size is None and loss_of.history == []
+
+
+def test_dict_batch_with_a_per_sample_text_field_and_extra_arguments():
+    model, ref = pair()
+    model.forward_limit = 3
+    x, y = data(8)
+    batch = {"x": x, "y": y, "text": [f"s{i}" for i in range(8)], "task": "regress"}
+    seen = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch, weight, *, tag):
+        seen.append((batch["text"], batch["task"], tag))
+        assert len(batch["text"]) == len(batch["x"])
+        return F.mse_loss(model(batch["x"]), batch["y"]) * weight
+
+    loss_of(batch, 2.0, tag="t")
+    assert seen[-4:] == [(["s0", "s1"], "regress", "t"), (["s2", "s3"], "regress", "t"),
+                         (["s4", "s5"], "regress", "t"), (["s6", "s7"], "regress", "t")]
+    (F.mse_loss(ref(x), y) * 2.0).backward()
+    assert_close(grads(model), grads(ref))
+
+
+def test_grad_scaler_scales_each_slice():
+    model, ref = pair()
+    model.forward_limit = 100
+    x, y = data()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+    @memguard.auto_microbatch(model, scaler=scaler)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss = loss_of((x, y))
+    expected = F.mse_loss(ref(x), y)
+    (expected * 1024.0).backward()
+    assert abs(loss.item() - expected.item()) < 1e-6  # the loss comes back unscaled
+    assert_close(grads(model), grads(ref), 1e-3)
+
+
+def test_method_and_keyword_batch():
+    class Trainer:
+        def __init__(self):
+            self.model = Net()
+            self.model.forward_limit = 50
+
+        def loss_of(self, batch):
+            return F.mse_loss(self.model(batch[0]), batch[1])
+
+    trainer = Trainer()
+    trainer.loss_of = memguard.auto_microbatch(trainer.model)(trainer.loss_of)
+    x, y = data(64)
+    trainer.loss_of(batch=(x, y))
+    assert trainer.loss_of.microbatch_size == 32
+
+
+def test_split_is_logged_and_marked_for_monitors(caplog):
+    model, _ = pair()
+    model.forward_limit = 100
+    x, y = data()
+    marks = []
+    _events.listen(marks.append)
+    try:
+        with caplog.at_level(logging.WARNING, logger="memguard"):
+            memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))((x, y))
+    finally:
+        _events.unlisten(marks.append)
+    assert marks == ["OOM at microbatch=256", "OOM at microbatch=128"]
+    assert "redoing the batch in slices of 128" in caplog.text
+
+
+def test_bad_values_are_refused_at_decoration():
+    model = Net()
+    for kwargs, error in [({"factor": 1}, ValueError), ({"factor": True}, ValueError),
+                          ({"min_size": 0}, ValueError), ({"reduction": "avg"}, ValueError),
+                          ({"grow_every": 0}, ValueError), ({"sync": "yes"}, ValueError),
+                          ({"scaler": 3}, TypeError)]:
+        with pytest.raises(error):
+            memguard.auto_microbatch(model, **kwargs)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        memguard.auto_microbatch(object())
+    with pytest.raises(TypeError, match="takes the model first"):
+        memguard.auto_microbatch(lambda batch: batch)
+
+    async def step(batch):
+        return batch
+    with pytest.raises(TypeError, match="async"):
+        memguard.auto_microbatch(model)(step)
+
+
+def test_bad_batches_and_losses_are_clear_errors():
+    model = Net()
+    step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b), torch.zeros(len(b), 1)))
+    with pytest.raises(TypeError, match="cannot split a batch of type builtins.float"):
+        step(3.0)
+    with pytest.raises(ValueError, match="empty batch"):
+        step(torch.ones(0, 8))
+    with pytest.raises(TypeError, match="must return the loss as a torch.Tensor"):
+        memguard.auto_microbatch(model)(lambda b: 1.0)(torch.ones(4, 8))
+    with pytest.raises(TypeError, match="scalar loss"):
+        memguard.auto_microbatch(model)(lambda b: model(b))(torch.ones(4, 8))
+    with pytest.raises(TypeError, match="needs the batch"):
+        step()
+
+
+def test_concurrent_steps_of_two_models_in_threads():
+    import threading
+
+    results = {}
+
+    def train(name):
+        model, ref = pair()
+        model.forward_limit = 50
+        x, y = data(128, seed=len(name))
+        step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+        for _ in range(3):
+            step((x, y))
+        for _ in range(3):
+            F.mse_loss(ref(x), y).backward()
+        results[name] = max((p.grad - q.grad).abs().max().item()
+                            for p, q in zip(model.parameters(), ref.parameters()))
+
+    threads = [threading.Thread(target=train, args=(n,)) for n in ("a", "bb")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(results) == {"a", "bb"} and max(results.values()) < 1e-5
+
+
+def test_asyncio_loop_calling_a_step():
+    model, _ = pair()
+    model.forward_limit = 50
+    x, y = data(64)
+    step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+
+    async def main():
+        await asyncio.sleep(0)
+        return step((x, y))
+
+    assert asyncio.run(main()).shape == ()
+    assert step.microbatch_size == 32

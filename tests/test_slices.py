@@ -1,0 +1,113 @@
+"""Measuring and cutting batches as users build them."""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from memguard._slices import plan_batch
+
+
+def cut(batch, start, stop):
+    return plan_batch(batch).cut(batch, start, stop)
+
+
+def test_tensor_and_array_are_cut_along_dim_0():
+    t, a = torch.arange(20).reshape(10, 2), np.arange(30).reshape(10, 3)
+    assert plan_batch(t).length == 10 and plan_batch(a).length == 10
+    assert torch.equal(cut(t, 2, 5), t[2:5])
+    assert np.array_equal(cut(a, 8, 10), a[8:])
+
+
+def test_tuple_of_fields_keeps_scalars_and_none_for_every_slice():
+    x, y = torch.randn(6, 3), torch.arange(6)
+    piece = cut((x, y, 0.5, None), 4, 6)
+    assert type(piece) is tuple and piece[2:] == (0.5, None)
+    assert torch.equal(piece[0], x[4:]) and torch.equal(piece[1], y[4:])
+
+
+def test_list_of_strings_is_per_sample():
+    names = [f"doc{i}" for i in range(5)]
+    assert plan_batch(names).length == 5
+    assert cut(names, 1, 3) == ["doc1", "doc2"]
+
+
+def test_hugging_face_style_dict_with_a_per_sample_text_field():
+    batch = {"input_ids": torch.arange(12).reshape(4, 3), "attention_mask": torch.ones(4, 3),
+             "text": ["a", "b", "c", "d"], "labels": torch.tensor([0, 1, 0, 1]),
+             "scale": torch.tensor(2.0), "task": "sst2"}
+    piece = cut(batch, 1, 3)
+    assert list(piece) == list(batch)
+    assert piece["text"] == ["b", "c"] and piece["task"] == "sst2"
+    assert torch.equal(piece["input_ids"], batch["input_ids"][1:3])
+    assert piece["scale"] is batch["scale"]  # 0-dim: shared
+
+
+def test_nested_containers_and_named_tuples_keep_their_types():
+    class Pair(NamedTuple):
+        inputs: dict
+        target: torch.Tensor
+
+    class Encoding(collections.UserDict):
+        pass
+
+    batch = Pair(Encoding({"ids": torch.arange(8), "pos": [list(range(8))] * 1}),
+                 torch.arange(8) * 10)
+    # "pos" is a list holding one list of 8 numbers: a container of one per-sample list
+    piece = cut(batch, 2, 4)
+    assert isinstance(piece, Pair) and isinstance(piece.inputs, Encoding)
+    assert torch.equal(piece.inputs["ids"], torch.tensor([2, 3]))
+    assert piece.inputs["pos"] == [[2, 3]]
+    assert torch.equal(piece.target, torch.tensor([20, 30]))
+
+
+def test_defaultdict_and_ordered_dict_keep_type_and_factory():
+    d = collections.defaultdict(list, x=torch.arange(4))
+    piece = cut(d, 0, 2)
+    assert isinstance(piece, collections.defaultdict) and piece.default_factory is list
+    o = collections.OrderedDict(b=torch.arange(4), a=torch.arange(4))
+    assert list(cut(o, 0, 1)) == ["b", "a"]
+
+
+def test_ragged_list_of_tensors_is_one_item_per_sample():
+    seqs = [torch.ones(5), torch.ones(7), torch.ones(3)]
+    assert plan_batch(seqs).length == 3
+    assert [len(s) for s in cut(seqs, 1, 3)] == [7, 3]
+
+
+def test_a_torch_size_is_a_record_not_samples():
+    batch = {"x": torch.ones(4, 2), "shape": torch.Size([2, 2])}
+    assert plan_batch(batch).length == 4
+    assert cut(batch, 0, 1)["shape"] == torch.Size([2, 2])
+
+
+def test_hugging_face_batch_encoding_keeps_its_type():
+    transformers = pytest.importorskip("transformers")
+    enc = transformers.BatchEncoding({"input_ids": torch.arange(6).reshape(3, 2),
+                                      "attention_mask": torch.ones(3, 2)})
+    piece = cut(enc, 1, 3)
+    assert isinstance(piece, transformers.BatchEncoding)
+    assert torch.equal(piece["input_ids"], enc["input_ids"][1:])
+
+
+@pytest.mark.parametrize("batch", [3.5, "text", None, object(), torch.tensor(1.0),
+                                   {"lr": 0.1, "opt": None}])
+def test_a_batch_with_nothing_per_sample_is_a_type_error_naming_it(batch):
+    with pytest.raises(TypeError, match="cannot split a batch of type"):
+        plan_batch(batch)
+
+
+def test_disagreeing_lengths_are_a_value_error_naming_the_parts():
+    with pytest.raises(ValueError, match=r"'x': 4, 'y': 3"):
+        plan_batch({"x": torch.ones(4), "y": torch.ones(3)})
+
+
+def test_empty_and_huge_batches():
+    assert plan_batch(torch.ones(0, 3)).length == 0
+    huge = torch.empty(10**9, dtype=torch.uint8)  # 1 GB, untouched
+    assert plan_batch({"x": huge}).length == 10**9
+    assert cut({"x": huge}, 10**9 - 2, 10**9)["x"].shape == (2,)
