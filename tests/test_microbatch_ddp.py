@@ -1,0 +1,171 @@
+"""auto_microbatch under DistributedDataParallel: three gloo ranks, one of them runs out of
+memory for real (a soft RLIMIT_AS budget), in backward in one phase and in forward in another.
+
+Plain DDP hangs there: the other ranks wait in the gradient all-reduce that the failed rank
+never reaches. Every run has a deadline, so a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from budget import ENV, script
+from test_distributed import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = """
+import torch
+import torch.nn.functional as F
+UNIT = 8 * 2**20 // 4  # 8 MiB per sample, allocated by the hungry pass on the hungry rank
+
+class Hungry(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, where):
+        ctx.where = where
+        if where == "forward":
+            scratch = torch.ones(x.shape[0] * UNIT)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.where == "backward":
+            scratch = torch.ones(grad.shape[0] * UNIT)
+        return grad, None
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.second = torch.nn.Linear(32, 1)
+        self.where = None
+
+    def forward(self, x):
+        return self.second(torch.relu(Hungry.apply(self.first(x), self.where)))
+
+def make_model():
+    torch.manual_seed(0)
+    return Net()
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g)
+
+# (phase, hungry rank, where) for each step
+PLAN = [("A", 1, "backward")] * 3 + [("B", 2, "forward")] * 2
+"""
+
+WORKER = MODEL + """
+import torch.distributed as dist
+import memguard
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+net = make_model()
+model = DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+@memguard.auto_microbatch(model)
+def loss_of(b):
+    return F.mse_loss(model(b[0]), b[1])
+
+# warm up gloo's buffers and threads and memguard's agreement, without changing the weights
+with model.no_sync():
+    F.mse_loss(model(batch(99, rank)[0][:2]), batch(99, rank)[1][:2]).backward()
+opt.zero_grad()
+memguard.oom_retry(batch_size=1)(lambda batch_size: batch_size)()
+memguard.free_memory()
+set_budget(300)  # 64 samples x 8 MiB do not fit; 32 do
+
+sizes, losses = [], []
+for step, (phase, hungry, where) in enumerate(PLAN):
+    net.where = where if rank == hungry else None
+    losses.append(loss_of(batch(step, rank)).item())
+    sizes.append([a.batch_size for a in loss_of.history])
+    opt.step()
+    opt.zero_grad()
+net.where = None
+
+# a failure that is not an out-of-memory, on rank 0: raised there, a clear error elsewhere
+@memguard.auto_microbatch(model)
+def broken(b):
+    if rank == 0:
+        raise ValueError("rank 0 has bad data")
+    return F.mse_loss(model(b[0]), b[1])
+
+try:
+    broken(batch(50, rank))
+    outcome = "returned"
+except ValueError as exc:
+    outcome = "ValueError: " + str(exc)
+except memguard.MemguardError as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+grads_after_failure = [p.grad is None for p in model.parameters()]
+lift_budget()
+weights = [p.detach().tolist() for p in net.parameters()]
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "sizes": sizes, "losses": losses, "weights": weights,
+                  "broken": outcome, "grads_none": grads_after_failure}))
+"""
+
+
+def reference() -> tuple[list, list]:
+    """Single-process training on the three ranks' batches concatenated."""
+    namespace: dict = {}
+    exec(MODEL, namespace)
+    model = namespace["make_model"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(len(namespace["PLAN"])):
+        parts = [namespace["batch"](step, rank) for rank in range(3)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], losses
+
+
+def test_oom_on_one_rank_in_backward_or_forward_hangs_no_one_and_weights_stay_exact():
+    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="3", TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-c", script(WORKER)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(env, RANK=str(rank))) for rank in range(3)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # a hang fails the test instead of the suite
+    # the hungry rank split its batch; the others ran whole batches; later steps reuse the size
+    assert outputs[1]["sizes"][:3] == [[64, 32], [32], [32]], outputs[1]["sizes"]
+    assert outputs[2]["sizes"][3:] == [[64, 32], [32]], outputs[2]["sizes"]
+    assert outputs[0]["sizes"] == [[64]] * 5
+    assert outputs[1]["sizes"][3:] == [[32], [32]] and outputs[2]["sizes"][:3] == [[64]] * 3
+    # every rank ends with the same weights, equal to single-process training
+    expected, expected_losses = reference()
+    for out in outputs:
+        assert out["weights"] == outputs[0]["weights"]
+        for got, want in zip(out["weights"], expected):
+            assert (torch.tensor(got) - want).abs().max().item() < 1e-5
+    per_step = [sum(out["losses"][s] for out in outputs) / 3 for s in range(5)]
+    assert max(abs(a - b) for a, b in zip(per_step, expected_losses)) < 1e-5
+    # a non-OOM error on one rank: raised there, a clear error on the others, no hang
+    assert outputs[0]["broken"] == "ValueError: rank 0 has bad data"
+    for rank in (1, 2):
+        assert outputs[rank]["broken"].startswith("MemguardError: broken: another rank failed")
+    assert all(all(out["grads_none"]) for out in outputs)  # entry gradients (none) restored
