@@ -289,6 +289,11 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
         raise TypeError(f"auto_microbatch takes the model first: "
                         f"@auto_microbatch(model), not @auto_microbatch (got {model!r:.80})")
     training.parameters(model)
+    if training.sharded(model):
+        log.warning("auto_microbatch: %s is sharded with FSDP, whose collectives run inside "
+                    "forward and backward: an out-of-memory on one rank alone leaves its "
+                    "peers waiting in them until the process group's timeout",
+                    type(model).__name__)
 
     def decorate(func: F) -> F:
         kind = function_kind(func)

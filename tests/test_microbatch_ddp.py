@@ -169,3 +169,27 @@ def test_oom_on_one_rank_in_backward_or_forward_hangs_no_one_and_weights_stay_ex
     for rank in (1, 2):
         assert outputs[rank]["broken"].startswith("MemguardError: broken: another rank failed")
     assert all(all(out["grads_none"]) for out in outputs)  # entry gradients (none) restored
+
+
+def test_an_fsdp_model_is_warned_about_and_still_trains(python_in_subprocess):
+    out = python_in_subprocess(f"""
+        import json, logging, os
+        import torch, torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        import memguard
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("memguard").addHandler(handler)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model)
+        step = memguard.auto_microbatch(model)(lambda b: model(b).sum())
+        loss = step(torch.ones(8, 4))
+        dist.destroy_process_group()
+        print(json.dumps({{"warnings": [r.getMessage() for r in records],
+                          "loss": loss.shape == ()}}))
+    """)
+    assert out["loss"] and len(out["warnings"]) == 1
+    assert "sharded with FSDP" in out["warnings"][0]
