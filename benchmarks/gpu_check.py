@@ -76,6 +76,29 @@ def real_oom() -> dict:
             "reserved_after_cleanup_mib": reserved // MiB}
 
 
+def microbatch() -> dict:
+    """auto_microbatch through a real CUDA out-of-memory: a step whose forward needs a sixth
+    of the GPU per 16 samples, at batch 64, then two more steps at the size that fitted."""
+    total = torch.cuda.mem_get_info()[1]
+    per_sample = total // 96
+    model = torch.nn.Linear(8, 1).cuda()
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        torch.empty(len(batch) * per_sample, dtype=torch.uint8, device="cuda").fill_(1)
+        return model(batch).pow(2).mean()
+
+    batch = torch.randn(64, 8, device="cuda")
+    sizes = []
+    for _ in range(3):
+        loss_of(batch)
+        sizes.append([a.batch_size for a in loss_of.history])
+        model.zero_grad()
+    return {"ok": sizes[0][0] == 64 and len(sizes[0]) > 1
+            and all(len(s) == 1 for s in sizes[1:]), "sizes": sizes,
+            "microbatch_size": loss_of.microbatch_size}
+
+
 def limit() -> dict:
     with memguard.memory_limit("1GiB", device="cuda"):
         try:
@@ -175,6 +198,7 @@ def main() -> int:
     print(f"gpu_check on {name}, torch {torch.__version__}, memguard {memguard.__version__}")
     torch.zeros(1, device="cuda")
     for label, fn in [("gpu tests", gpu_tests), ("real CUDA OOM through oom_retry", real_oom),
+                      ("real CUDA OOM through auto_microbatch", microbatch),
                       ("memory_limit on CUDA", limit), ("record_history on OOM", history),
                       ("benchmark 1 on the GPU", overhead), ("benchmark 3 on the GPU", recovery)]:
         check(label, fn)

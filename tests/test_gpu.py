@@ -172,3 +172,40 @@ def test_oom_retry_writes_one_snapshot_per_failed_attempt(tmp_path):
     assert failed and all(a.snapshot_path and os.path.getsize(a.snapshot_path) > 0
                           for a in failed)
     assert len(list(tmp_path.iterdir())) == len(failed)
+
+
+def test_auto_microbatch_recovers_a_real_cuda_oom_with_exact_gradients():
+    """A layer whose forward needs a sixth of the GPU per 16 samples: 64 samples cannot fit,
+    16 can. The split step's gradients equal a whole-batch backward computed on the CPU."""
+    import copy
+
+    total = torch.cuda.mem_get_info()[1]
+    per_sample = total // 96
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+            self.per_sample = per_sample
+
+        def forward(self, x):
+            scratch = torch.empty(x.shape[0] * self.per_sample, dtype=torch.uint8,
+                                  device=x.device)
+            scratch.fill_(1)
+            return self.last(torch.relu(self.first(x)))
+
+    torch.manual_seed(0)
+    model = Wide().cuda()
+    reference = copy.deepcopy(model).cpu()
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    loss_of = memguard.auto_microbatch(model)(
+        lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]))
+    loss = loss_of((x.cuda(), y.cuda()))
+    assert loss_of.microbatch_size is not None and loss_of.microbatch_size < 64
+    assert not loss_of.history[0].ok and loss_of.history[-1].ok
+    reference.per_sample = 1  # the whole-batch reference runs on the host, without scratch
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) < 1e-5
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad.cpu() - q.grad).abs().max().item() < 1e-5
