@@ -26,7 +26,8 @@ def step():
 def overhead(quick: bool) -> list[Result]:
     """Benchmark 1: a small MLP training step (about 5-20 ms on a CPU core) run bare, under
     ``@frees_memory`` (auto), under ``memory_scope()``, under the naive recipe
-    (``gc.collect()`` and emptying the allocator caches after every step), and a forward pass
+    (``gc.collect()`` and emptying the allocator caches after every step), with its loss
+    under ``auto_microbatch`` (the whole batch fits: what the readiness costs), and a forward pass
     under ``inference_mode()`` against a forward pass under ``torch.no_grad()``.
 
     Fair to the peers: the same step, same thread count, the variants measured in alternating
@@ -51,6 +52,14 @@ def naive():
     gc.collect()
     libc.malloc_trim(0)  # the host's empty_cache
 
+loss_of = memguard.auto_microbatch(model)(
+    lambda batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1]))
+
+def microbatched():
+    loss_of((x, y))
+    opt.step()
+    opt.zero_grad()
+
 def forward_no_grad():
     with torch.no_grad():
         model(x)
@@ -59,10 +68,11 @@ def forward_memguard():
     with memguard.inference_mode(model):
         model(x)
 
-for f in (step, auto, scoped, naive, forward_no_grad, forward_memguard):
+for f in (step, auto, scoped, naive, microbatched, forward_no_grad, forward_memguard):
     f()
 times = interleaved({{"bare": step, "auto": auto, "scope": scoped, "naive": naive,
-                     "fwd_no_grad": forward_no_grad, "fwd_memguard": forward_memguard}},
+                     "microbatch": microbatched, "fwd_no_grad": forward_no_grad,
+                     "fwd_memguard": forward_memguard}},
                     {rounds}, {per_round})
 print(json.dumps(times))
 """)
@@ -75,6 +85,9 @@ print(json.dumps(times))
                "report", None),
         Result("1c naive gc+trim step", out["naive"] * ms, bare * ms, "ms", "bare step",
                "report", None, "what the common recipe costs"),
+        Result("1e auto_microbatch step (fits)", out["microbatch"] * ms, bare * ms, "ms",
+               "bare step", "<= 1.05x", out["microbatch"] / bare <= 1.05,
+               "whole batch, no out-of-memory: the cost of being ready for one"),
         Result("1d inference_mode forward", out["fwd_memguard"] * ms, out["fwd_no_grad"] * ms,
                "ms", "torch.no_grad forward", "report", None),
     ]
