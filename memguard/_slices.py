@@ -4,18 +4,22 @@ A batch is whatever a ``DataLoader`` (or a hand-written loop) yields, and its pa
 three kinds:
 
 - **per-sample** parts are cut: an array-like with at least one dimension (a torch or
-  TensorFlow tensor, a numpy array: anything with a ``shape`` and slicing), and a plain
-  ``list`` or ``tuple`` whose items are not themselves batch parts (strings, numbers, file
+  TensorFlow tensor, a numpy array: anything with a ``shape`` and slicing), and a ``list``
+  (or a plain ``tuple``) of items that are not themselves batch parts (strings, numbers, file
   names: one item per sample);
 - **containers** are rebuilt around their cut parts, keeping their type: any ``Mapping``
   (``dict``, ``OrderedDict``, a Hugging Face ``BatchEncoding``), a named tuple, and a plain
-  ``list``/``tuple`` that holds at least one batch part (``(x, y)``, ``[ids, mask, labels]``);
+  ``tuple``/``list`` that holds batch parts (``(x, y)``, ``[ids, mask, labels]``, the list
+  ``DataLoader``'s default collation makes of tuple samples);
 - **shared** parts are handed to every slice as they are: scalars, 0-dim tensors, ``None``,
   strings, other objects, and tuple subclasses that are records (a ``torch.Size``).
 
-Every per-sample part must have the same length. One ambiguity is settled by rule: a
-``list``/``tuple`` of batch parts whose lengths differ (variable-length sequences, one tensor
-per sample) is a list of per-sample items; when their lengths agree it is a container.
+Every per-sample part must have the same length. Where a list could be read both ways, the
+rule is: a ``list`` whose items are all Mappings (``collate_fn=lambda x: x``), all lists of
+plain items (token ids), or batch parts of different lengths (ragged sequences) is one item
+per sample; a ``list`` of tensors or arrays of one common length is a container of fields,
+as collation makes them. A ``tuple`` holding batch parts is always a container, whose parts
+must agree.
 
 This module never imports a framework: parts are recognised by their ``shape``.
 """
@@ -92,13 +96,16 @@ class Plan:
     @classmethod
     def _sequence(cls, value: Any, where: str) -> "Plan":
         parts = {i: cls.of(item, f"{where}[{i}]") for i, item in enumerate(value)}
-        if not any(p.kind != SHARED for p in parts.values()):
+        kinds = {p.kind for p in parts.values()}
+        if kinds <= {SHARED}:
             return cls(ITEMS, len(value))  # strings, numbers: one item per sample
+        if isinstance(value, list) and (kinds == {MAPPING} or kinds == {ITEMS}):
+            return cls(ITEMS, len(value))  # one dict (or one token list) per sample
         lengths = {p.length for p in parts.values() if p.length is not None}
-        if len(lengths) <= 1 and lengths:
+        if len(lengths) == 1:
             return cls(SEQUENCE, lengths.pop(), parts)
-        if all(p.kind != SHARED for p in parts.values()):
-            return cls(ITEMS, len(value))  # one batch part per sample (ragged sequences)
+        if isinstance(value, list) and SHARED not in kinds:
+            return cls(ITEMS, len(value))  # one tensor per sample (ragged sequences)
         return cls(SEQUENCE, _common(parts, where), parts)
 
     def cut(self, value: Any, start: int, stop: int) -> Any:

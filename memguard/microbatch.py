@@ -23,12 +23,13 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import threading
+import weakref
 import time
 from typing import Any, Callable, Literal, Optional, TypeVar
 
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
+from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
 from ._units import format_bytes
 from .backends import torch_distributed
@@ -76,10 +77,12 @@ class _State:
     """What the decorated function remembers between steps."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = ForkSafeLock()
         self.microbatch_size: Optional[int] = None
         self.clean_steps = 0
         self.history: list[Attempt] = []
+        self.looked_outside = False  # the first call looks for leaves outside the model
+        self.extras: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
 class _Step:
@@ -103,6 +106,11 @@ class _Step:
             state.history = self.attempts
         self.started = 0.0
         self.params = training.parameters(cfg.model)
+        self.shared = len(self.params)  # the model's own: what DDP averages
+        with state.lock:
+            self.params += [t for t in state.extras.values() if t.requires_grad]
+        self.entry: list[Any] = []
+        self.who = f"{cfg.name}()"
         self.ddp = training.ddp_of(cfg.model)
         self.agreement = Agreement(cfg.sync)
         world = torch_distributed.world()
@@ -118,21 +126,21 @@ class _Step:
 
     # -- the call --------------------------------------------------------------------------
     def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        entry = training.stash(self.params)
+        self.entry = training.stash(self.params)
         try:
             with training.local_gradients(self.ddp) as syncs:
-                total, present = self._passes(wrapped, args, kwargs, entry, syncs)
-            training.merge(self.params, entry)
+                total, present = self._passes(wrapped, args, kwargs, syncs)
+            training.merge(self.params, self.entry)
         except BaseException:
-            training.restore(self.params, entry)
+            training.restore(self.params, self.entry)
             raise
         if syncs:
-            training.average(self.params, present, self.ddp.process_group)
+            training.average(self.params[:self.shared], present, self.ddp.process_group)
         self._remember()
         return total
 
     def _passes(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict,
-                entry: list[Any], syncs: bool) -> tuple[Any, list[int]]:
+                syncs: bool) -> tuple[Any, list[int]]:
         total, done = None, False
         while True:
             status, error, give_up = OK, None, False
@@ -148,7 +156,8 @@ class _Step:
                     self.attempts.append(Attempt(self.size, self.slices(), True, None,
                                                  time.perf_counter() - self.started))
             freed = self._recover() if status == OOM else 0
-            flags = training.presence(self.params, entry) if syncs else []
+            flags = (training.presence(self.params[:self.shared], self.entry[:self.shared])
+                     if syncs else [])
             worst, flags = self.agreement.worst(FAILED if give_up else status, flags)
             if status == FAILED:
                 raise error  # type: ignore[misc]
@@ -172,18 +181,41 @@ class _Step:
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
         cfg, n, size = self.cfg, self.samples, self.size
-        who = f"{cfg.name}()"
         if size >= n:
-            return training.backward(wrapped(self.batch, *args, **kwargs), 1.0, cfg.scaler,
-                                     None, who)
+            return self._backward(wrapped(self.batch, *args, **kwargs), 1.0, None)
         total = None
         for start in range(0, n, size):
             stop = min(n, start + size)
             weight = 1.0 if cfg.reduction == "sum" else (stop - start) / n
             piece = self.plan.cut(self.batch, start, stop)
-            total = training.backward(wrapped(piece, *args, **kwargs), weight, cfg.scaler,
-                                      total, who)
+            total = self._backward(wrapped(piece, *args, **kwargs), weight, total)
         return total
+
+    def _backward(self, loss: Any, weight: float, total: Any) -> Any:
+        training.check_loss(loss, self.who)
+        if not self.state.looked_outside:
+            self._look_outside(loss)
+        return training.backward(loss, weight, self.cfg.scaler, total)
+
+    def _look_outside(self, loss: Any) -> None:
+        """Once, before the first backward: tensors outside the model that backward writes
+        gradients into are set aside with the model's, so that a failed pass's share of them
+        is dropped too; parameters among them are remembered for later calls."""
+        found = training.outside(loss, self.params)
+        with self.state.lock:
+            self.state.looked_outside = True
+            for tensor in found:
+                if training.is_parameter(tensor):
+                    self.state.extras[id(tensor)] = tensor
+        if not found:
+            return
+        log.warning("%s: backward writes gradients into %d tensor(s) outside the model given "
+                    "to auto_microbatch (%s): memguard handles them too, but pass a module "
+                    "that holds every trained parameter (torch.nn.ModuleList([model, head]))",
+                    self.cfg.name, len(found),
+                    ", ".join(training.describe(t) for t in found[:4]))
+        self.params += found
+        self.entry += training.stash(found)
 
     # -- an out-of-memory ------------------------------------------------------------------
     def _failed(self, exc: BaseException) -> tuple[int, bool]:
@@ -228,7 +260,7 @@ class _Step:
         grew = len(self.attempts) == 1 and self.fallback is not None
         with self.state.lock:
             if grew or (failed and self.size < self.samples):
-                self.state.microbatch_size = self.size if self.size < self.samples else None
+                self.state.microbatch_size = self.size
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
@@ -252,9 +284,9 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept),
     nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
     go to every slice as they are. The size that fitted is kept for later calls
-    (``.microbatch_size``; ``None`` while the whole batch fits); ``grow_every=N`` tries the
-    next larger size (``size / factor``) after N steps without an out-of-memory and steps
-    back at once if it fails. ``scaler``, a ``torch.amp.GradScaler``, scales each backward.
+    (``.microbatch_size``; ``None`` until a batch had to be split; batches no larger run
+    whole); ``grow_every=N`` tries the next larger size (``ceil(size / factor)``, at most the
+    batch) after N steps without an out-of-memory and steps back at once if it fails. ``scaler``, a ``torch.amp.GradScaler``, scales each backward.
     ``.history`` holds the last call's :class:`Attempt` records (``batch_size`` is the slice
     size, ``accumulation_steps`` the number of slices); ``.reset()`` forgets the size.
 
@@ -280,7 +312,7 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
                          f"{reduction!r}")
     if grow_every is not None:
         check_size(grow_every, "grow_every")
-    if sync not in (True, False, "auto"):
+    if not (sync is True or sync is False or sync == "auto"):
         raise ValueError(f"auto_microbatch: sync must be True, False or 'auto', got {sync!r}")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
@@ -320,7 +352,7 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
         return with_statistics(
             func, wrapper,
             {"microbatch_size": (lambda: state.microbatch_size,
-                                 "The slice size that fitted (None while whole batches do)."),
+                                 "The slice size that fitted (None until a batch was split)."),
              "history": (lambda: state.history, "The last call's attempts.")},
             reset)
 

@@ -231,7 +231,7 @@ def test_grow_every_tries_a_larger_size_and_steps_back_at_once():
     assert loss_of.microbatch_size == 128
 
 
-def test_growing_back_to_the_whole_batch_forgets_the_size():
+def test_growing_back_to_the_whole_batch():
     model, _ = pair()
     x, y = data(256)
     model.forward_limit = 200
@@ -246,7 +246,26 @@ def test_growing_back_to_the_whole_batch_forgets_the_size():
     assert [a.batch_size for a in loss_of.history] == [128]
     loss_of((x, y))
     assert [a.batch_size for a in loss_of.history] == [256]
-    assert loss_of.microbatch_size is None
+    assert loss_of.microbatch_size == 256  # whole batches of 256 run as one slice
+    loss_of((x, y))
+    assert [(a.batch_size, a.accumulation_steps) for a in loss_of.history] == [(256, 1)]
+
+
+def test_growing_on_a_short_batch_remembers_only_what_it_saw():
+    model, _ = pair()
+    x, y = data(256)
+    model.forward_limit = 100
+
+    @memguard.auto_microbatch(model, grow_every=1)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))  # 256, 128 fail: 64
+    loss_of((x, y))  # clean at 64
+    loss_of((x[:90], y[:90]))  # the short last batch of an epoch: grows to 90, which fits
+    assert loss_of.microbatch_size == 90
+    loss_of((x, y))  # a full batch starts at 90, not at the whole 256
+    assert [a.batch_size for a in loss_of.history][0] == 90
 
 
 def test_smaller_batches_than_the_remembered_size_run_whole():
@@ -366,6 +385,36 @@ def test_bad_batches_and_losses_are_clear_errors():
         memguard.auto_microbatch(model)(lambda b: model(b))(torch.ones(4, 8))
     with pytest.raises(TypeError, match="needs the batch"):
         step()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        step(torch.ones(4, 8))
+    with pytest.raises(ValueError, match="sync"):
+        memguard.auto_microbatch(model, sync=1)
+
+
+def test_parameters_outside_the_model_lose_the_failed_pass_too(caplog):
+    torch.manual_seed(0)
+    body, head = Net(), torch.nn.Linear(1, 1)
+    reference_body, reference_head = copy.deepcopy(body), copy.deepcopy(head)
+    body.backward_limit = 50  # head's gradients exist when backward fails inside body
+    x, y = data(128)
+
+    @memguard.auto_microbatch(body)
+    def loss_of(batch):
+        return F.mse_loss(head(body(batch[0])), batch[1])
+
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        loss_of((x, y))
+    F.mse_loss(reference_head(reference_body(x)), y).backward()
+    assert "2 tensor(s) outside the model" in caplog.text
+    assert_close(grads(head), grads(reference_head))
+    assert_close(grads(body), grads(reference_body))
+    for m in (body, head, reference_body, reference_head):
+        m.zero_grad()
+    loss_of.reset()  # the size is forgotten, the head is not: the next call fails again
+    loss_of((x, y))
+    assert len(loss_of.history) == 3
+    F.mse_loss(reference_head(reference_body(x)), y).backward()
+    assert_close(grads(head), grads(reference_head))
 
 
 def test_concurrent_steps_of_two_models_in_threads():

@@ -55,13 +55,13 @@ def test_nested_containers_and_named_tuples_keep_their_types():
     class Encoding(collections.UserDict):
         pass
 
-    batch = Pair(Encoding({"ids": torch.arange(8), "pos": [list(range(8))] * 1}),
+    batch = Pair(Encoding({"ids": torch.arange(8), "pos": [torch.arange(8), torch.arange(8)]}),
                  torch.arange(8) * 10)
-    # "pos" is a list holding one list of 8 numbers: a container of one per-sample list
+    # "pos" is a list of two tensors of the common length: fields, each cut
     piece = cut(batch, 2, 4)
     assert isinstance(piece, Pair) and isinstance(piece.inputs, Encoding)
     assert torch.equal(piece.inputs["ids"], torch.tensor([2, 3]))
-    assert piece.inputs["pos"] == [[2, 3]]
+    assert [p.tolist() for p in piece.inputs["pos"]] == [[2, 3], [2, 3]]
     assert torch.equal(piece.target, torch.tensor([20, 30]))
 
 
@@ -77,6 +77,20 @@ def test_ragged_list_of_tensors_is_one_item_per_sample():
     seqs = [torch.ones(5), torch.ones(7), torch.ones(3)]
     assert plan_batch(seqs).length == 3
     assert [len(s) for s in cut(seqs, 1, 3)] == [7, 3]
+
+
+def test_list_of_per_sample_dicts_or_token_lists_is_one_item_per_sample():
+    samples = [{"x": torch.zeros(3), "label": i} for i in range(4)]  # collate_fn=lambda x: x
+    assert plan_batch(samples).length == 4
+    assert [s["label"] for s in cut(samples, 1, 3)] == [1, 2]
+    tokens = {"ids": [[1, 2], [3, 4], [5, 6]], "y": torch.arange(3)}  # padded, as lists
+    assert plan_batch(tokens).length == 3
+    assert cut(tokens, 2, 3)["ids"] == [[5, 6]]
+
+
+def test_a_tuple_of_fields_must_agree_even_without_shared_parts():
+    with pytest.raises(ValueError, match=r"0: 4, 1: 3"):
+        plan_batch((torch.ones(4), torch.ones(3)))
 
 
 def test_a_torch_size_is_a_record_not_samples():

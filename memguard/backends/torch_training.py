@@ -4,8 +4,9 @@ run and averaged once afterwards.
 
 Gradients on entry are *moved* aside (``p.grad = None``), not copied: a pass then writes fresh
 gradients, which are dropped whole when the pass fails and added to the entry gradients when
-the step succeeds. Nothing is copied unless the user accumulates across steps, and even then
-only one addition per parameter.
+the step succeeds (one addition per parameter). Where the parameters hold gradients on entry
+(accumulation across steps, or zeros left by ``zero_grad(set_to_none=False)``), both sets are
+alive during the step: one gradient buffer more at the peak than plain accumulation.
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ def merge(params: list[Any], saved: list[Any]) -> None:
             p.grad = old
 
 
-def backward(loss: Any, weight: float, scaler: Any, total: Any, who: str) -> Any:
-    """``(loss * weight).backward()`` (through ``scaler`` when given); returns ``total`` plus
-    the weighted loss, detached."""
+def check_loss(loss: Any, who: str) -> None:
+    """A clear error unless ``loss`` is a scalar tensor that backward can run from."""
     import torch
 
     if not isinstance(loss, torch.Tensor):
@@ -70,6 +70,45 @@ def backward(loss: Any, weight: float, scaler: Any, total: Any, who: str) -> Any
     if loss.numel() != 1:
         raise TypeError(f"{who} must return a scalar loss, got a tensor of shape "
                         f"{tuple(loss.shape)}; reduce it (loss.mean() or loss.sum())")
+    if not loss.requires_grad:
+        raise RuntimeError(f"{who} returned a loss that does not require grad: is the call "
+                           f"inside torch.no_grad() or inference_mode, or is the loss "
+                           f"detached?")
+
+
+def outside(loss: Any, params: list[Any]) -> list[Any]:
+    """The leaf tensors that backward of ``loss`` writes gradients into and that are not
+    among ``params`` (a head kept out of the model, an input that requires grad)."""
+    known = {id(p) for p in params}
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in known:
+            known.add(id(variable))
+            found.append(variable)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def is_parameter(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.nn.Parameter``."""
+    import torch
+
+    return isinstance(tensor, torch.nn.Parameter)
+
+
+def describe(tensor: Any) -> str:
+    """``"float32[16, 1]"``."""
+    return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
+
+
+def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
+    """``(loss * weight).backward()`` (through ``scaler`` when given); returns ``total`` plus
+    the weighted loss, detached. ``loss`` has passed :func:`check_loss`."""
     if weight != 1.0:
         loss = loss * weight
     (scaler.scale(loss) if scaler is not None else loss).backward()

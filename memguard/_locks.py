@@ -1,0 +1,59 @@
+"""Locks that a forked child gets back unlocked.
+
+``os.fork()`` copies a lock in whatever state it is in: one held by another thread of the
+parent (a scope's bookkeeping, a cleanup under way) stays held in the child for ever, and the
+child's first memguard call hangs. Every lock memguard holds is a :class:`ForkSafeLock`,
+re-created unlocked in the child (``os.register_at_fork``) before the child runs any code.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+_all: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
+
+
+class ForkSafeLock:
+    """A ``threading.Lock`` that a child process created by ``os.fork()`` finds unlocked.
+
+    >>> lock = ForkSafeLock()
+    >>> with lock:
+    ...     lock.locked()
+    True
+    """
+
+    __slots__ = ("_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _all.add(self)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """As ``threading.Lock.acquire``."""
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        """As ``threading.Lock.release``."""
+        self._lock.release()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock."""
+        return self._lock.locked()
+
+
+def _recreate_in_child() -> None:
+    for lock in list(_all):
+        lock._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_recreate_in_child)
