@@ -127,7 +127,7 @@ def _common(parts: dict[Any, Plan], where: str) -> Optional[int]:
     lengths = {key: p.length for key, p in parts.items() if p.length is not None}
     if len(set(lengths.values())) > 1:
         listed = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
-        raise ValueError(f"auto_microbatch: the per-sample parts of {where} disagree on the "
+        raise ValueError(f"the per-sample parts of {where} disagree on the "
                          f"number of samples ({listed}); every tensor, array and per-sample "
                          f"list in a batch must have the same length along dim 0")
     return next(iter(lengths.values()), None)
@@ -147,7 +147,7 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
     try:
         return type(original)(items)  # type: ignore[call-arg]
     except Exception as exc:
-        raise TypeError(f"auto_microbatch cannot rebuild a {type(original).__name__} from "
+        raise TypeError(f"memguard cannot rebuild a {type(original).__name__} from "
                         f"its slices ({exc}); pass the batch as a dict") from exc
 
 
@@ -159,7 +159,7 @@ def plan_batch(batch: Any) -> Plan:
     """
     plan = Plan.of(batch)
     if plan.length is None:
-        raise TypeError(f"auto_microbatch cannot split a batch of type "
+        raise TypeError(f"memguard cannot split a batch of type "
                         f"{type(batch).__module__}.{type(batch).__qualname__} ({_short(batch)}): "
                         f"it has no per-sample part. A batch is a tensor, an array, a "
                         f"list/tuple or a dict/Mapping of those (nested), or a list of "

@@ -19,7 +19,7 @@ import dataclasses
 import gc
 import logging
 import traceback
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 from .backends import Backend, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
@@ -39,7 +39,7 @@ def read_all(pairs: Pairs) -> Readings:
         try:
             out[device] = backend.read_fast(device)
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
-            log.warning("memguard: cannot read %s: %s", device, exc)
+            log.warning("cannot read %s: %s", device, exc)
             out[device] = (None, None)
     return out
 
@@ -61,10 +61,10 @@ def empty_caches(backends: Iterable[Backend]) -> None:
         try:
             backend.empty_cache()
         except Exception as exc:  # noqa: BLE001
-            log.warning("memguard: emptying the %s cache failed: %s", backend.name, exc)
+            log.warning("emptying the %s cache failed: %s", backend.name, exc)
 
 
-def free_memory(keras: bool = False) -> int:
+def free_memory(*args: Any, keras: bool = False) -> int:
     """Free every byte that can be freed now; return the bytes given back.
 
     Runs a full ``gc.collect()``, then empties the cache of every active backend (torch's
@@ -72,12 +72,24 @@ def free_memory(keras: bool = False) -> int:
     result is the drop of ``reserved`` memory (the resident set on the host) summed over
     devices. TensorFlow cannot give GPU memory back to the driver within a process; with
     ``keras=True`` the Keras session is cleared first (global: every model built so far is
-    forgotten by Keras).
+    forgotten by Keras). ``keras`` is keyword-only: ``free_memory`` takes no positional
+    argument, and is not a decorator (``@memguard.frees_memory`` is the one that frees after
+    each call).
 
     >>> import memguard
     >>> memguard.free_memory() >= 0
     True
     """
+    if args:
+        what = args[0]
+        if callable(what):
+            raise TypeError(f"free_memory is not a decorator: it frees memory now and was given "
+                            f"{getattr(what, '__qualname__', what)!r}; to free memory after each "
+                            f"call of a function, decorate it with @memguard.frees_memory")
+        raise TypeError(f"free_memory takes no positional argument, got {what!r}; write "
+                        f"free_memory(keras=True) to clear the Keras session too")
+    if not isinstance(keras, bool):
+        raise TypeError(f"free_memory: keras must be True or False, got {keras!r}")
     pairs = resolve_devices(None)
     before = read_all(pairs)
     if keras:
@@ -215,6 +227,6 @@ class Settler:
             still = [d for d in self._held(pairs, now, entry) if d in held]
         if self.adaptive:
             (self._gc.useless if still else self._gc.useful)()
-        log.debug("memguard collected garbage; still held on %s", still or "no device")
+        log.debug("collected garbage; still held on %s", still or "no device")
         return now
 

@@ -5,6 +5,8 @@ Installed with memguard (entry point ``pytest11``); ``-p no:memguard`` turns it 
 - ``@pytest.mark.memguard(max_leak="1MiB", max_peak=None, devices=None)``: run the test in a
   :func:`memguard.memory_scope` that tracks tensors; fail it when a device retained more than
   ``max_leak`` after cleanup, or rose more than ``max_peak`` above its level at the start.
+  Without ``max_leak`` the limit is ``--memguard-max-leak``, else 1 MiB; ``max_leak=None``
+  checks no leak. A marker with bad arguments fails its test at setup, in one line.
 - ``--memguard-max-leak=SIZE``: the same check, with that limit, for every test.
 - the ``memguard_scope`` fixture: the scope of the running test; ``memguard_scope.close()``
   ends it early so that the test can assert on ``retained`` and ``peak`` itself.
@@ -16,7 +18,8 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from ._units import format_bytes, parse_size
+from ._units import format_bytes, parse_optional_size, parse_size
+from .backends import check_devices
 from .scope import MemoryScope
 
 _SCOPE = pytest.StashKey[MemoryScope]()
@@ -45,7 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _limits(item: pytest.Item) -> Optional[tuple[Optional[int], Optional[int], Any]]:
-    """``(max_leak, max_peak, devices)`` for the item, or None when it is not guarded."""
+    """``(max_leak, max_peak, devices)`` for the item, or None when it is not guarded.
+
+    A marker without ``max_leak`` takes ``--memguard-max-leak``, else 1 MiB. A bad marker fails
+    the test at setup with one line naming it (as pytest does for a bad ``skipif``).
+    """
     if _LIMITS in item.stash:
         return item.stash[_LIMITS]
     marker = item.get_closest_marker("memguard")
@@ -54,18 +61,25 @@ def _limits(item: pytest.Item) -> Optional[tuple[Optional[int], Optional[int], A
         limits = None
     else:
         kwargs = dict(marker.kwargs) if marker is not None else {}
-        unknown = set(kwargs) - {"max_leak", "max_peak", "devices"}
+        unknown = sorted(set(kwargs) - {"max_leak", "max_peak", "devices"})
         if unknown or (marker is not None and marker.args):
-            raise pytest.UsageError(f"{item.nodeid}: the memguard marker takes max_leak, "
-                                    f"max_peak and devices as keywords, got "
-                                    f"{marker.args if marker else ()} {sorted(unknown)}")
-        max_leak = kwargs.get("max_leak", option if marker is None else DEFAULT_MAX_LEAK)
-        max_peak = kwargs.get("max_peak")
-        limits = (None if max_leak is None else parse_size(max_leak, "max_leak"),
-                  None if max_peak is None else parse_size(max_peak, "max_peak"),
-                  kwargs.get("devices"))
+            got = [repr(arg) for arg in marker.args] + [f"{key}=" for key in unknown]
+            pytest.fail(f"{item.nodeid}: the memguard marker takes max_leak, max_peak and "
+                        f"devices as keywords, got {', '.join(got)}", pytrace=False)
+        max_leak = kwargs.get("max_leak", DEFAULT_MAX_LEAK if option is None else option)
+        try:
+            limits = (parse_optional_size(max_leak, "max_leak"),
+                      parse_optional_size(kwargs.get("max_peak"), "max_peak"),
+                      check_devices(kwargs.get("devices")))
+        except (TypeError, ValueError) as exc:
+            pytest.fail(f"{item.nodeid}: bad memguard marker: {exc}", pytrace=False)
     item.stash[_LIMITS] = limits
     return limits
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _limits(item)  # a bad marker fails here, before the test's fixtures run
 
 
 def _scope_for(item: pytest.Item) -> MemoryScope:

@@ -13,12 +13,13 @@ import inspect
 import logging
 import math
 import os
-import threading
 import time
+from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
+from ._locks import ForkSafeLock
 from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync
@@ -138,10 +139,23 @@ class _State:
     """What the decorated function remembers: working sizes, the last call's attempts."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = ForkSafeLock()
         self.cache: dict[int, int] = {}
         self.history: list[Attempt] = []
         self.batch_size: Optional[int] = None
+
+
+class _Nest:
+    """The ``oom_retry`` calls running in one context, outermost first, and the size at which
+    each guard gave up (while nested) during the outermost call."""
+
+    def __init__(self, states: tuple[_State, ...], gave_up: dict[_State, int]) -> None:
+        self.states = states
+        self.gave_up = gave_up
+
+
+# Per task and per thread, as contexts are: a guard called by another guard is nested in it.
+_NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_oom_retry_nest", default=None)
 
 
 class _Run:
@@ -160,17 +174,30 @@ class _Run:
         if cfg.min_batch_size > self.requested:
             raise ValueError(f"oom_retry: min_batch_size={cfg.min_batch_size} is larger than "
                              f"the starting {cfg.arg}={self.requested}")
+        nest = _NEST.get()
+        self.nested = nest is not None
+        # A call of the function inside its own call (recursion) leaves the sizes, the cache
+        # and the history to the outermost call.
+        self.recursive = nest is not None and state in nest.states
+        self.gave_up = nest.gave_up if nest is not None else {}
+        resumed = self.gave_up.get(state)
+        self.final = resumed is not None  # it gave up earlier in this outermost call
         with state.lock:
-            cached = state.cache.get(self.requested) if cfg.cache else None
+            cached = (state.cache.get(self.requested)
+                      if cfg.cache and not self.recursive else None)
         self.agreement = Agreement(cfg.sync)
-        self.size = self.agreement.smallest(cached or self.requested)
+        start = min(resumed, self.requested) if resumed is not None else cached
+        self.size = self.agreement.smallest(start or self.requested)
         self.attempts: list[Attempt] = []
-        state.history = self.attempts
+        if not self.recursive:
+            state.history = self.attempts
         self.started = 0.0
         self.recording = bool(cfg.snapshot_dir) and start_recording(100_000)
+        self.token = _NEST.set(_Nest((nest.states if nest else ()) + (state,), self.gave_up))
 
     def close(self) -> None:
         """The call is over, however it ended."""
+        _NEST.reset(self.token)
         if self.recording:
             self.recording = False
             stop_recording()
@@ -198,6 +225,8 @@ class _Run:
         return self.bound.args, self.bound.kwargs
 
     def _next_size(self) -> Optional[int]:
+        if self.final:
+            return None
         if self.cfg.max_attempts is not None and len(self.attempts) >= self.cfg.max_attempts:
             return None
         if self.size <= self.cfg.min_batch_size:
@@ -228,6 +257,8 @@ class _Run:
         worst, _ = self.agreement.agree(OK, self.size)
         if worst == OK:
             self.attempts.append(Attempt(self.size, self.steps(), True, None, seconds))
+            if self.recursive:
+                return True
             with self.state.lock:
                 self.state.batch_size = self.size
                 if self.cfg.cache:
@@ -245,6 +276,8 @@ class _Run:
     def _decide(self, exc: Optional[BaseException]) -> None:
         upcoming = self._next_size()
         if upcoming is None:
+            if self.nested:
+                self.gave_up[self.state] = self.size
             tried = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})"
                               for a in self.attempts)
             error = OutOfMemoryError(
@@ -261,7 +294,7 @@ class _Run:
         """Outside ``except``: free the failed attempt's memory, log, call ``on_retry``."""
         freed = free_memory()
         last = self.attempts[-1]
-        log.warning("memguard: %s: %s at %s=%d; %s; freed %s; retrying at %s=%d",
+        log.warning("%s: %s at %s=%d; %s; freed %s; retrying at %s=%d",
                     self.cfg.name, last.error, self.cfg.arg, last.batch_size,
                     memory_summary(last.memory), format_bytes(freed), self.cfg.arg, self.size)
         if self.cfg.on_retry is not None:
@@ -359,6 +392,17 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of
     memory, all retry at the same smaller size, and all finish at the same size after the
     same number of attempts. A ``tf.function`` retraces for each new batch shape.
+
+    Nested guards (a decorated function called, directly or not, by another one, or by
+    itself): the innermost guard that can still shrink owns an out-of-memory. Once it has
+    given up, the guard around it receives the :class:`OutOfMemoryError` and retries at its
+    own smaller size; for the rest of that outermost call the guard that gave up makes a
+    single attempt per call, at the size it gave up at, and passes an out-of-memory straight
+    on as :class:`OutOfMemoryError`. So each guard walks its sizes once per outermost call: a
+    body that never fits runs ``inner + outer - 1`` times (7 + 6 - 1 = 12 for sizes 64..1
+    inside 32..1), not ``inner * outer``. In a recursion only the outermost call reads and
+    records sizes (``batch_size``, the cache, ``history``); inner calls start at the size
+    they are given. Nesting is tracked per thread and per asyncio task.
 
     With ``snapshot_dir`` CUDA allocations are recorded during the call and a memory snapshot
     is written there for each failed attempt (see :func:`record_history`).

@@ -16,8 +16,8 @@ import types
 import weakref
 from typing import Any, Callable, Optional
 
-from ._units import format_bytes
-from .backends import resolve_devices
+from ._units import Size, format_bytes, parse_size, positive_int
+from .backends import check_device, resolve_devices
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 HOLDER_DEPTH = 8
@@ -187,17 +187,26 @@ class TensorInfo:
         return f"{self.describe()} {format_bytes(self.nbytes)} on {self.device}{name}{view}"
 
 
-def live_tensors(device: Optional[str] = None, *, min_bytes: int = 0,
+def _check_tensor_device(device: Optional[str], name: str) -> None:
+    """Refuse a ``device`` no census row can be on (``"cpu"`` is a tensor device, not a backend's)."""
+    if device is not None and device != "cpu":
+        check_device(device, name)
+
+
+def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
                  model: Any = None) -> list[TensorInfo]:
     """Every live torch tensor (parameters and grads included) and TensorFlow eager tensor or
     variable, largest first; on ``device`` only when given (``"cuda:0"``, ``"cpu"`` or
-    ``"host"``, ``"GPU:0"``). ``min_bytes`` drops smaller ones; ``model`` (a
-    ``torch.nn.Module``) names its parameters, their grads and its buffers.
+    ``"host"``, ``"GPU:0"``; a name that is not a device is a ``ValueError``). ``min_bytes``
+    (bytes or a size such as ``"1MiB"``) drops smaller ones; ``model`` (a ``torch.nn.Module``)
+    names its parameters, their grads and its buffers.
 
     >>> import memguard
-    >>> [t for t in memguard.live_tensors() if t.nbytes > 2**40]
+    >>> [t for t in memguard.live_tensors(min_bytes="1TiB")]
     []
     """
+    _check_tensor_device(device, "live_tensors: device")
+    min_bytes = parse_size(min_bytes, "live_tensors: min_bytes")
     frameworks = _frameworks()
     if not frameworks:
         return []
@@ -477,7 +486,8 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
 
 
 def memory_report(top: int = 20, device: Optional[str] = None) -> str:
-    """A table of the largest storages, grouped by device, dtype and shape, with totals.
+    """A table of the largest storages, grouped by device, dtype and shape, with totals; on
+    ``device`` only when given (as in :func:`live_tensors`).
 
     Per device it also gives, where the backend knows it, the gap between the census total
     and the allocator's ``allocated`` figure: buffers that autograd keeps in C++ (saved
@@ -489,8 +499,8 @@ def memory_report(top: int = 20, device: Optional[str] = None) -> str:
     cpu     float32  [10000, 1024]      1    39.1 MiB
     ...
     """
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"memory_report: top must be a positive int, got {top!r}")
+    positive_int(top, "memory_report: top")
+    _check_tensor_device(device, "memory_report: device")
     groups: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
     totals: dict[str, int] = {}
     for info in live_tensors(device):

@@ -39,6 +39,8 @@ RUNTIME_OOMS = [
                             "you passed in a non-contiguous input."),
     ("XLA allocator", "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 "
                       "bytes."),
+    ("torch memory mapping", "unable to mmap 67108864 bytes from file </torch_1234_5678_0>: "
+                             "Cannot allocate memory (12)"),
 ]
 
 
@@ -81,14 +83,16 @@ def test_out_of_memory_wrapped_in_another_exception_is_found():
         try:
             raise MemoryError
         except MemoryError:
-            raise KeyError("while handling")  # implicit __context__
+            raise KeyError("while handling")  # implicit __context__: a new error
     except KeyError as outer:
-        assert memguard.is_oom_error(outer)
+        assert not memguard.is_oom_error(outer)
 
 
 def test_chains_with_cycles_terminate():
     a, b = RuntimeError("a"), RuntimeError("b")
     a.__context__, b.__context__ = b, a
+    assert not memguard.is_oom_error(a)
+    a.__cause__, b.__cause__ = b, a
     assert not memguard.is_oom_error(a)
 
 

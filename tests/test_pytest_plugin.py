@@ -112,3 +112,57 @@ def test_bad_option_and_marker_arguments_are_usage_errors(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert "memguard marker takes max_leak, max_peak and devices as keywords" in \
         result.stdout.str() + result.stderr.str()
+
+
+BAD_MARKERS = """
+import pytest
+
+@pytest.mark.memguard(max_leak="bogus")
+def test_bad_size():
+    pass
+
+@pytest.mark.memguard("1MiB")
+def test_positional():
+    pass
+
+@pytest.mark.memguard(devices=5)
+def test_bad_devices():
+    pass
+
+def test_fine():
+    pass
+"""
+
+
+def test_bad_marker_arguments_fail_their_test_in_one_line_naming_it(pytester):
+    pytester.makepyfile(test_bad=BAD_MARKERS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=3)  # the others still run
+    out = result.stdout.str()
+    assert ("test_bad.py::test_bad_size: bad memguard marker: max_leak: cannot read 'bogus' as a "
+            "size") in out
+    assert ("test_bad.py::test_positional: the memguard marker takes max_leak, max_peak and "
+            "devices as keywords, got '1MiB'") in out
+    assert "test_bad.py::test_bad_devices: bad memguard marker: devices: expected None" in out
+    assert "pytest_plugin.py" not in out and "Traceback" not in out  # no plugin traceback
+
+
+def test_marker_without_max_leak_takes_the_command_line_limit(pytester):
+    pytester.makepyfile(test_default="""
+        import pytest
+        import torch
+
+        KEEP = []
+
+        @pytest.mark.memguard(max_peak="1GiB")
+        def test_leaks_4mib():
+            KEEP.append(torch.ones(4 * 2**20 // 4))
+
+        @pytest.mark.memguard(max_peak="1GiB")
+        def test_leaks_96mib():
+            KEEP.append(torch.ones(96 * 2**20 // 4))
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=64MiB")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "memguard: test_leaks_96mib retained" in result.stdout.str()
+    assert "(max_leak 64.0 MiB)" in result.stdout.str()

@@ -26,6 +26,17 @@ def test_size_of_the_wrong_type_is_a_type_error(value):
         parse_size(value)
 
 
+@pytest.mark.parametrize("value", ["9" * 400, 2**63, "9000000TiB"])
+def test_sizes_larger_than_any_memory_are_a_value_error_naming_them(value):
+    with pytest.raises(ValueError, match=r"max_leak: .*9.* is more bytes than any memory holds"):
+        parse_size(value, "max_leak")
+
+
+def test_long_size_strings_are_read_exactly():
+    assert parse_size("9" * 18) == 10**18 - 1  # a float would round it
+    assert parse_size("1.000000000000000001KiB") == 1024
+
+
 def test_negative_int_is_refused():
     with pytest.raises(ValueError, match="-1"):
         parse_size(-1)

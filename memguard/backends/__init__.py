@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 from typing import Iterable, Optional, Union
 
-from .base import Backend, DeviceMemory, Reading
+from .base import Backend, DeviceMemory, Reading, is_keras_model
 from .host import HOST, HostBackend
 from .tensorflow import TensorFlowBackend
 from .torch import TorchBackend
 
 __all__ = ["Backend", "DeviceMemory", "Reading", "HOST", "activate", "active_backends",
-           "host", "resolve_devices", "list_devices"]
+           "check_device", "check_devices", "host", "is_keras_model", "resolve_devices",
+           "list_devices"]
 
 log = logging.getLogger("memguard")
 
@@ -53,7 +55,7 @@ def _devices_of(backend: Backend) -> list[str]:
     try:
         return backend.devices()
     except Exception as exc:  # noqa: BLE001 - a broken driver must not break the program
-        log.warning("memguard: cannot list %s devices: %s", backend.name, exc)
+        log.warning("cannot list %s devices: %s", backend.name, exc)
         return []
 
 
@@ -62,19 +64,66 @@ def list_devices() -> list[str]:
     return [d for b in active_backends() for d in _devices_of(b)]
 
 
+_NAME_RE = re.compile(r"[A-Za-z]+(:\d+)?")
+EXAMPLES = "'host', 'cuda', 'cuda:0', 'xpu:0', 'mps' or 'GPU:0'"
+
+
+def check_device(device: object, name: str = "device") -> str:
+    """``device`` if it is a device name some backend answers for, whether or not its framework
+    is imported yet; else a ``TypeError`` or ``ValueError`` naming ``name`` and the value.
+
+    >>> check_device("cuda:0")
+    'cuda:0'
+    >>> check_device("cuda:x")
+    Traceback (most recent call last):
+    ...
+    ValueError: device: unknown device 'cuda:x'; use 'host', 'cuda', 'cuda:0', 'xpu:0', 'mps' or 'GPU:0'
+    """
+    if not isinstance(device, str):
+        raise TypeError(f"{name}: device names are strings such as 'host' or 'cuda:0', got "
+                        f"{device!r} of type {type(device).__name__}")
+    if not _NAME_RE.fullmatch(device) or _owner(device, imported_only=False) is None:
+        raise ValueError(f"{name}: unknown device {device!r}; use {EXAMPLES}")
+    return device
+
+
+def check_devices(devices: Devices, name: str = "devices") -> Optional[tuple[str, ...]]:
+    """The form of a device selection checked without reading any device: ``None`` (every
+    device), one name, or an iterable of names (see :func:`check_device`); the names as a tuple.
+    What an object taking ``devices`` calls when it is created.
+
+    >>> check_devices(["host", "cuda:1"])
+    ('host', 'cuda:1')
+    >>> check_devices(5)
+    Traceback (most recent call last):
+    ...
+    TypeError: devices: expected None (every device), a device name such as 'host' or 'cuda:0', or a list of names, got 5 of type int
+    """
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        return (check_device(devices, name),)
+    try:
+        names = tuple(devices)
+    except TypeError:
+        raise TypeError(f"{name}: expected None (every device), a device name such as 'host' or "
+                        f"'cuda:0', or a list of names, got {devices!r} of type "
+                        f"{type(devices).__name__}") from None
+    return tuple(check_device(device, name) for device in names)
+
+
 def resolve_devices(devices: Devices = None) -> list[tuple[Backend, str]]:
     """``(backend, device)`` pairs for a device name, a list of names, or all (``None``).
 
-    Unknown names get a ``ValueError`` listing the devices that can be read.
+    A malformed selection gets the errors of :func:`check_devices`; a device whose framework
+    this process has not imported, or that it cannot read, a ``ValueError`` listing the devices
+    that can be read.
     """
-    if devices is None:
+    names = check_devices(devices)
+    if names is None:
         return [(b, d) for b in active_backends() for d in _devices_of(b)]
-    names = [devices] if isinstance(devices, str) else list(devices)
     pairs = []
     for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"devices: expected device names such as 'host' or 'cuda:0', "
-                            f"got {name!r}")
         backend = _owner(name)
         if backend is None:
             raise ValueError(f"devices: unknown device {name!r}; this process can read "
@@ -85,12 +134,14 @@ def resolve_devices(devices: Devices = None) -> list[tuple[Backend, str]]:
     return pairs
 
 
-def _owner(name: str) -> Optional[Backend]:
+def _owner(name: str, imported_only: bool = True) -> Optional[Backend]:
+    """The backend that answers for ``name``; ``None`` if none does, or (``imported_only``)
+    if its framework is not imported."""
     if host.owns(name):
         return host
     for framework, backend in _FRAMEWORKS.items():
         if backend.owns(name):
-            if framework not in sys.modules and framework not in _requested:
+            if imported_only and framework not in sys.modules and framework not in _requested:
                 return None
             return backend
     return None

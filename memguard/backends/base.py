@@ -106,3 +106,20 @@ def subclasses(*roots: type, excluding: frozenset[str] = frozenset()) -> set[typ
             seen.add(cls)
             stack.extend(cls.__subclasses__())
     return {cls for cls in seen if f"{cls.__module__}.{cls.__qualname__}" not in excluding}
+
+
+_KERAS_MODULES = ("keras", "tf_keras", "tensorflow")
+
+
+def is_keras_model(obj: Any) -> bool:
+    """Whether ``obj`` is a Keras model or layer (Keras 3, ``tf_keras`` or ``tf.keras``), told
+    by the names of its classes alone: no framework is imported to look.
+
+    >>> is_keras_model(object())
+    False
+    """
+    for cls in type(obj).__mro__:
+        module = getattr(cls, "__module__", None) or ""
+        if cls.__name__ in ("Model", "Layer") and module.split(".")[0] in _KERAS_MODULES:
+            return True
+    return False
