@@ -2,14 +2,45 @@
 
 Built on ``wrapt``: the decorated function keeps its signature, name, docstring and
 ``__wrapped__``, and binds like the original on classes (methods, classmethods, staticmethods).
+Like a plain function it pickles by reference (its module and qualified name: unpickling
+imports the module and finds the decorated object there, so it can go to a ``multiprocessing``
+spawn child or a ``Pool``) and is its own copy.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, ContextManager, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapper_classes() -> tuple[type, type]:
+    """``wrapt``'s function wrappers made to pickle and copy as functions and methods do
+    (``wrapt`` is imported on first use, keeping ``import memguard`` light)."""
+    import wrapt
+
+    def copy(self: Any, memo: Any = None) -> Any:
+        return self  # functions are immutable for copy purposes
+
+    class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+        def __reduce_ex__(self, protocol: int) -> Any:  # as a bound method: getattr(obj, name)
+            owner = self._self_owner if self._self_instance is None else self._self_instance
+            return getattr, (owner, self.__name__)
+
+        __copy__ = __deepcopy__ = copy
+
+    class Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+        __bound_function_wrapper__ = Bound
+
+        def __reduce_ex__(self, protocol: int) -> Any:  # a global's name: pickle looks it up
+            return self.__qualname__
+
+        __copy__ = __deepcopy__ = copy
+
+    return Wrapper, Bound
 
 
 def function_kind(func: Any) -> str:
@@ -30,6 +61,13 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
 
     Coroutines run inside it from their first step to their end; generators from their first
     ``next()`` until they finish or are closed.
+
+    >>> import contextlib
+    >>> def double(x):
+    ...     return 2 * x
+    >>> guarded = guard(double, contextlib.nullcontext, "example")
+    >>> guarded(21), guarded.__name__
+    (42, 'double')
     """
     if not callable(func) and not hasattr(func, "__func__"):
         raise TypeError(f"{who} decorates functions, got {func!r}")
@@ -37,7 +75,6 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
     if kind not in kinds:
         raise TypeError(f"{who} cannot decorate {kind} function {name_of(func)}; "
                         f"it supports {', '.join(k + ' functions' for k in kinds)}")
-    import wrapt
 
     if kind == "async":
         async def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
@@ -53,7 +90,7 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             with context():
                 return wrapped(*args, **kwargs)
-    return wrapt.FunctionWrapper(func, wrapper)  # type: ignore[return-value]
+    return _wrapper_classes()[0](func, wrapper)  # type: ignore[no-any-return]
 
 
 def name_of(func: Any) -> str:
@@ -62,14 +99,23 @@ def name_of(func: Any) -> str:
     return getattr(target, "__qualname__", repr(target))
 
 
-
 def with_statistics(func: Any, wrapper: Callable[..., Any],
                     attributes: dict[str, tuple[Callable[[], Any], str]],
                     reset: Callable[[], None]) -> Any:
     """``wrapt.FunctionWrapper(func, wrapper)`` whose instances, bound to an object or not,
     expose each of ``attributes`` (``name: (getter, doc)``) as a read-only property and
-    ``reset()``, as tenacity's retrying functions expose their statistics."""
-    import wrapt
+    ``reset()``, as tenacity's retrying functions expose their statistics; it pickles and
+    copies as :func:`guard`'s wrappers do.
+
+    >>> calls = []
+    >>> def count(wrapped, instance, args, kwargs):
+    ...     calls.append(1)
+    ...     return wrapped(*args, **kwargs)
+    >>> f = with_statistics(abs, count, {"calls": (lambda: len(calls), "Calls.")}, calls.clear)
+    >>> f(-3), f.calls
+    (3, 1)
+    """
+    unbound_base, bound_base = _wrapper_classes()
 
     def reset_method(self: Any) -> None:
         reset()
@@ -78,7 +124,7 @@ def with_statistics(func: Any, wrapper: Callable[..., Any],
     members: dict[str, Any] = {name: property(lambda self, get=get: get(), doc=doc)
                                for name, (get, doc) in attributes.items()}
     members["reset"] = reset_method
-    bound = type("BoundWithStatistics", (wrapt.BoundFunctionWrapper,), dict(members))
+    bound = type("BoundWithStatistics", (bound_base,), dict(members))
     members["__bound_function_wrapper__"] = bound
-    unbound = type("FunctionWithStatistics", (wrapt.FunctionWrapper,), members)
+    unbound = type("FunctionWithStatistics", (unbound_base,), members)
     return unbound(func, wrapper)

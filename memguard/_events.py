@@ -6,11 +6,12 @@ With no listener, emitting costs one truth test.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
+from ._locks import ForkSafeLock
+
 _listeners: list[Callable[[str], None]] = []
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def listen(callback: Callable[[str], None]) -> None:

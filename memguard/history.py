@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import guard
+from ._locks import ForkSafeLock
 from .backends import torch as torch_backend
 from .errors import is_oom_error
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _depth = 0
 _warned = False
 
@@ -59,11 +59,11 @@ def dump(path: str) -> Optional[str]:
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         torch_backend.dump_history(path)
-        log.warning("memguard: memory snapshot written to %s (open it at "
+        log.warning("memory snapshot written to %s (open it at "
                     "https://pytorch.org/memory_viz)", path)
         return path
     except Exception as exc:  # noqa: BLE001 - never mask the error being diagnosed
-        log.warning("memguard: could not write the memory snapshot %s: %s", path, exc)
+        log.warning("could not write the memory snapshot %s: %s", path, exc)
         return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import guard
-from .backends import resolve_devices
+from .backends import is_keras_model, resolve_devices
 from .backends.torch import InferenceState, enter_inference, exit_inference, is_module
 from .cleanup import Pairs, Readings, Settler, read_all
 
@@ -77,6 +77,7 @@ def inference_mode(*models: Any, cleanup: bool = True) -> Any:
     >>> y.requires_grad, model.training
     (False, True)
     """
-    if len(models) == 1 and callable(models[0]) and not is_module(models[0]):
+    if len(models) == 1 and callable(models[0]) and not is_module(models[0]) \
+            and not is_keras_model(models[0]):
         return InferenceMode(cleanup=cleanup)(models[0])
     return InferenceMode(*models, cleanup=cleanup)

@@ -9,14 +9,15 @@ that happened before a newer one reset the counter.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
-from ._decorate import guard, name_of
+from ._decorate import function_kind, guard, name_of
 from ._events import emit
+from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
-from .backends import Backend, Devices
+from .backends import Backend, Devices, check_devices
 from .cleanup import POLICIES, Pairs, Policy, Readings, Settler, read_all
 from .errors import MemoryLeakError
 from .snapshot import MemorySnapshot, snapshot
@@ -30,7 +31,7 @@ class _PeakBook:
     """Running peaks of the scopes open on each device."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._open: dict[str, dict[int, int]] = {}
 
     def enter(self, token: int, pairs: Pairs) -> None:
@@ -63,7 +64,7 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
     try:
         return method(device)
     except Exception as exc:  # noqa: BLE001 - a reading must never break the program
-        log.warning("memguard: %s(%s) failed: %s", method.__name__, device, exc)
+        log.warning("%s(%s) failed: %s", method.__name__, device, exc)
         return None
 
 
@@ -103,7 +104,7 @@ class MemoryScope:
                  cleanup: Union[bool, str] = True, max_leak: Optional[Size] = None,
                  track_tensors: bool = False) -> None:
         self.name = name
-        self.devices = devices
+        self.devices = check_devices(devices)
         self.track_tensors = track_tensors
         self.leaks: list[TensorInfo] = []
         self._tensors_before: dict[int, Any] = {}
@@ -143,7 +144,7 @@ class MemoryScope:
         except Exception:  # noqa: BLE001
             if exc_type is None:
                 raise
-            log.exception("memguard: measuring %s failed while the block raised", self._title())
+            log.exception("measuring %s failed while the block raised", self._title())
             return
         if self.max_leak is not None:
             over = {d: n for d, n in self.retained.items() if n > self.max_leak}
@@ -153,7 +154,7 @@ class MemoryScope:
                     message += "; " + self.biggest_leak()
                 if exc_type is None:
                     raise MemoryLeakError(message, over, self.max_leak)
-                log.warning("memguard: %s (not raised: the block raised %s)", message,
+                log.warning("%s (not raised: the block raised %s)", message,
                             exc_type.__name__)
 
     def _finish(self) -> None:
@@ -279,70 +280,90 @@ def _lower(a: Readings, b: Readings) -> Readings:
 
 
 class _FreesMemory:
-    """The per-function state of ``@frees_memory``: windows of ``every`` outermost calls.
+    """What the calls of one ``@frees_memory`` function share: the cleanup policy (with its
+    back-off), the level the last cleanup left (``baseline``) and the count of outermost calls.
 
-    The cleanup policy compares the memory after a window with the lower of its entry level
-    and the level the previous cleanup left: a step whose inputs were allocated before the call
-    and end up in a reference cycle made by it leaves no growth over its own entry, yet is
-    caught. ``max_leak`` counts only what the window itself kept over its entry.
+    Each call keeps its own entry readings (:class:`_Call`), so calls that overlap (threads,
+    asyncio tasks, generators) never measure against one another's entry. The policy compares
+    the memory after a call with the lower of its entry level and the baseline: a step whose
+    inputs were allocated before the call and end up in a reference cycle made by it leaves no
+    growth over its own entry, yet is caught. ``max_leak`` counts only what the call itself
+    kept over its entry.
     """
 
-    def __init__(self, what: str, every: int, policy: Policy, max_leak: Optional[int]) -> None:
+    def __init__(self, what: str, every: int, policy: Policy, max_leak: Optional[int],
+                 recursion: bool) -> None:
         self.what = what
         self.every = every
         self.max_leak = max_leak
         self.settler = Settler(policy, adaptive=True)
-        self.lock = threading.Lock()
-        self.local = threading.local()
+        self.lock = ForkSafeLock()
         self.calls = 0
+        self.baseline: Readings = {}
+        # Calls of this function running in the current thread or asyncio task: a recursive
+        # call sees the outer one's and leaves the cleanup to it. Generators do not count:
+        # their bodies run in whichever context steps them and may stay suspended for ever.
+        self.depth: Optional[ContextVar[int]] = (
+            ContextVar(f"frees_memory {what}", default=0) if recursion else None)
+
+    def call(self) -> "_Call":
+        """The context manager of one call."""
+        return _Call(self)
+
+
+class _Call:
+    """One call of a ``@frees_memory`` function: its depth and its own entry readings."""
+
+    __slots__ = ("shared", "depth", "pairs", "entry")
+
+    def __init__(self, shared: _FreesMemory) -> None:
+        self.shared = shared
+        self.depth = 0
         self.pairs: Pairs = []
         self.entry: Readings = {}
-        self.baseline: Readings = {}
 
     def __enter__(self) -> None:
-        depth = getattr(self.local, "depth", 0)
-        self.local.depth = depth + 1
-        if depth == 0:
-            with self.lock:
-                if self.calls % self.every == 0:
-                    from .backends import resolve_devices
+        counter = self.shared.depth
+        if counter is not None:
+            self.depth = counter.get()
+            counter.set(self.depth + 1)
+        if self.depth == 0:
+            from .backends import resolve_devices
 
-                    self.pairs = resolve_devices(None)
-                    self.entry = read_all(self.pairs)
+            self.pairs = resolve_devices(None)
+            self.entry = read_all(self.pairs)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        depth = getattr(self.local, "depth", 1) - 1  # a generator may finish on another thread
-        self.local.depth = max(depth, 0)
-        if depth > 0:
+        shared = self.shared
+        if shared.depth is not None:
+            shared.depth.set(self.depth)
+        if self.depth > 0:
             return
-        with self.lock:
-            self.calls += 1
-            if self.calls % self.every:
+        with shared.lock:
+            shared.calls += 1
+            if shared.calls % shared.every:
                 return
             try:
-                outcome = self.settler.settle(self.pairs, _lower(self.entry, self.baseline))
+                outcome = shared.settler.settle(self.pairs, _lower(self.entry, shared.baseline))
             except Exception:  # noqa: BLE001
                 if exc_type is None:
                     raise
-                log.exception("memguard: cleanup after %s failed while it raised", self.what)
+                log.exception("cleanup after %s failed while it raised", shared.what)
                 return
-            self.baseline = outcome.after
-        if self.max_leak is None:
+            shared.baseline = outcome.after
+        if shared.max_leak is None:
             return
         over = {}
         for backend, device in self.pairs:
             start = _level(backend, self.entry.get(device, (None, None)))
             end = _level(backend, outcome.after.get(device, (None, None)))
-            if start is not None and end is not None and end - start > self.max_leak:
+            if start is not None and end is not None and end - start > shared.max_leak:
                 over[device] = end - start
         if over:
-            message = _leak_message(self.what, over, self.max_leak)
+            message = _leak_message(shared.what, over, shared.max_leak)
             if exc_type is None:
-                raise MemoryLeakError(message, over, self.max_leak)
-            log.warning("memguard: %s (not raised: it raised %s)", message, exc_type.__name__)
-
-    def __call__(self) -> "_FreesMemory":
-        return self
+                raise MemoryLeakError(message, over, shared.max_leak)
+            log.warning("%s (not raised: it raised %s)", message, exc_type.__name__)
 
 
 def frees_memory(func: Optional[F] = None, /, *, every: int = 1, policy: Policy = "auto",
@@ -355,8 +376,15 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, policy: Policy 
     whether the call returned or raised. ``policy="auto"`` reads memory first (microseconds) and
     collects garbage or empties caches only when the call left memory above its entry level,
     backing off from work that keeps proving useless; ``"always"`` collects and empties every
-    cache every time. ``max_leak`` raises :class:`MemoryLeakError` when a device kept more.
-    Recursive calls clean up once, when the outermost returns.
+    cache every time. ``max_leak`` raises :class:`MemoryLeakError` when a device kept more
+    over the call's own run (with ``every > 1``, checked on the calls that clean up).
+
+    Each call keeps its own entry readings: calls that overlap (threads, asyncio tasks,
+    interleaved generators, a generator closed on another thread) each clean up after
+    themselves and are judged against their own entry, never another call's. Memory is per
+    process, so a call is charged with what others allocated *during* its run and still hold.
+    Recursive calls (in one thread or task) clean up once, when the outermost returns; each
+    generator cleans up when it finishes or is closed, wherever that happens.
 
     >>> import memguard
     >>> @memguard.frees_memory
@@ -372,6 +400,8 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, policy: Policy 
     limit = parse_optional_size(max_leak, "max_leak")
 
     def decorate(f: F) -> F:
-        return guard(f, _FreesMemory(name_of(f), every, policy, limit), "frees_memory")
+        shared = _FreesMemory(name_of(f), every, policy, limit,
+                              recursion=function_kind(f) != "generator")
+        return guard(f, shared.call, "frees_memory")
 
     return decorate if func is None else decorate(func)

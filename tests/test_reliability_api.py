@@ -87,12 +87,19 @@ def test_is_keras_model_tells_keras_models_and_layers_from_anything_else(python_
     result = python_in_subprocess("""
         import json, sys
         import keras
+        import memguard
         from memguard.backends import is_keras_model
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        try:
+            memguard.inference_mode(model)
+            refused = None
+        except TypeError as exc:
+            refused = str(exc)
         print(json.dumps({"model": is_keras_model(model),
                           "layer": is_keras_model(keras.layers.Dense(2)),
-                          "module": type(model).__module__}))
+                          "module": type(model).__module__, "refused": refused}))
     """, timeout=180)
+    assert "training=False" in result.pop("refused")  # not "AttributeError: __enter__"
     assert result == {"model": True, "layer": True, "module": "keras.src.models.sequential"}
     assert not is_keras_model(torch.nn.Linear(2, 2))
     assert not is_keras_model(object) and not is_keras_model(None)

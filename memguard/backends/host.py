@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any, Optional
 
+from .._locks import ForkSafeLock
 from .base import Backend, DeviceMemory, Reading
 
 HOST = "host"
@@ -73,7 +73,7 @@ class _ProcFile:
         self.path = "/proc/self/" + name
         self.fd: Optional[int] = None
         self.pid = -1
-        self._lock = threading.Lock()  # guards the buffer
+        self._lock = ForkSafeLock()  # guards the buffer
         self._buffer: Any = None
 
     def read(self) -> bytes:
@@ -81,7 +81,6 @@ class _ProcFile:
         if self.fd is None or self.pid != pid:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self.pid = pid
-            self._lock = threading.Lock()  # a fork may have copied it held by another thread
         pread = _libc().get("pread")
         if pread is not None:
             with self._lock:
@@ -102,7 +101,7 @@ class HostBackend(Backend):
     level_field = 1
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._linux = sys.platform.startswith("linux") and os.path.exists("/proc/self/statm")
         self._statm = _ProcFile("statm")
         self._status = _ProcFile("status")
@@ -214,3 +213,13 @@ def restore_address_space(previous: tuple[int, int]) -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, previous)
+
+
+def _import_psutil_before_fork() -> None:
+    """Fork only once psutil is imported: a child forked while another thread is importing it
+    (the host backend imports it on first use) would wait for ever on the import's lock."""
+    import psutil  # noqa: F401
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_import_psutil_before_fork)

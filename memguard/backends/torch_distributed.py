@@ -8,11 +8,12 @@ that has just run out of memory. Where the default group already is gloo, that g
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from typing import Any, Optional
 
-_lock = threading.Lock()
+from .._locks import ForkSafeLock
+
+_lock = ForkSafeLock()
 # default group -> memguard's gloo group for it. Weak keys: once the user destroys the default
 # group, the side group goes with it. Holding either past ``destroy_process_group`` would leave
 # their C++ destructors (gloo's threads) to interpreter shutdown, where they can abort.

@@ -1,0 +1,293 @@
+"""Reliability under concurrency: overlapping calls of @frees_memory (asyncio tasks,
+interleaved generators, threads), fork while another thread holds memguard's locks, and
+decorated functions that pickle and copy as plain functions do."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gc
+import multiprocessing
+import pickle
+import threading
+
+import pytest
+import torch
+
+import memguard
+from memguard.backends import host
+
+import decorated_functions as df
+from conftest import run_python
+from test_scope import FullCollections
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def settled():
+    memguard.free_memory()
+
+
+# -- @frees_memory: each call keeps its own entry readings -------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("every, expected", [(1, 10), (5, 2)])
+def test_overlapping_asyncio_calls_each_clean_up(every, expected):
+    @memguard.frees_memory(every=every, policy="always")
+    async def step(i):
+        await asyncio.sleep(0)  # every task is inside the call before any leaves it
+        return i
+
+    async def main():
+        return await asyncio.gather(*(step(i) for i in range(10)))
+
+    with FullCollections() as seen:
+        assert asyncio.run(main()) == list(range(10))
+    assert seen.count == expected
+
+
+def test_async_recursion_still_cleans_once_at_the_outermost():
+    @memguard.frees_memory(policy="always")
+    async def depth(n):
+        await asyncio.sleep(0)
+        return 0 if n == 0 else 1 + await depth(n - 1)
+
+    with FullCollections() as seen:
+        assert asyncio.run(depth(5)) == 5
+    assert seen.count == 1
+
+
+def test_interleaved_generators_each_clean_up():
+    @memguard.frees_memory(policy="always")
+    def numbers(n):
+        yield from range(n)
+
+    with FullCollections() as seen:
+        first, second = numbers(3), numbers(3)
+        pairs = list(zip(first, second))
+        assert pairs == [(0, 0), (1, 1), (2, 2)]
+        assert next(first, None) is None and next(second, None) is None
+    assert seen.count == 2
+
+
+def test_a_generator_left_open_does_not_stop_later_cleanups():
+    @memguard.frees_memory(policy="always")
+    def numbers(n):
+        yield from range(n)
+
+    left_open = numbers(5)
+    next(left_open)
+    with FullCollections() as seen:
+        for _ in range(3):
+            assert list(numbers(2)) == [0, 1]
+    assert seen.count == 3
+    left_open.close()
+
+
+def test_a_generator_closed_on_another_thread_does_not_stop_later_cleanups():
+    @memguard.frees_memory(policy="always")
+    def numbers(n):
+        yield from range(n)
+
+    started_here = numbers(5)
+    next(started_here)
+    with FullCollections() as seen:
+        closer = threading.Thread(target=started_here.close)
+        closer.start()
+        closer.join()
+        assert seen.count == 1  # its cleanup ran on the thread that closed it
+        for _ in range(3):
+            assert list(numbers(2)) == [0, 1]
+    assert seen.count == 4
+
+
+def test_a_leaking_thread_is_blamed_and_clean_threads_are_not():
+    """One thread keeps 96 MiB per call while three clean threads' calls overlap its calls
+    (they enter after its allocation; in the second round one leaves after the next leak,
+    with its own level unchanged). Only the leaking thread's calls may raise."""
+    kept: list = []
+    errors: dict[str, list[str]] = {"leaky": [], "clean": []}
+    allocated, clean_entered, leaky_left = threading.Event(), threading.Barrier(4), threading.Event()
+
+    @memguard.frees_memory(max_leak="32MiB")
+    def step(role):
+        if role == "leaky":
+            kept.append(torch.ones(96 * MiB // 4))
+            allocated.set()
+        clean_entered.wait(timeout=30)  # all four are inside their calls
+        if role == "clean":
+            leaky_left.wait(timeout=30)
+
+    def run(role):
+        if role == "clean":
+            allocated.wait(timeout=30)
+        try:
+            step(role)
+        except memguard.MemoryLeakError as exc:
+            errors[role].append(str(exc))
+        if role == "leaky":
+            leaky_left.set()
+
+    for _ in range(3):
+        allocated.clear(), leaky_left.clear(), clean_entered.reset()
+        threads = [threading.Thread(target=run, args=(role,))
+                   for role in ("leaky", "clean", "clean", "clean")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+    kept.clear()
+    assert len(errors["leaky"]) == 3, errors
+    assert all("step retained" in e for e in errors["leaky"])
+    assert errors["clean"] == []
+
+
+def test_a_clean_call_spanning_a_freed_and_reallocated_leak_is_not_blamed():
+    """A clean call enters with 96 MiB held by another thread's earlier call; that memory is
+    freed and a new leak of the same size made before the clean call leaves: the clean call's
+    level did not change, the second leaking call's did."""
+    kept: list = []
+    errors: list[str] = []
+    clean_in, leaky_in, done = threading.Event(), threading.Event(), threading.Event()
+
+    @memguard.frees_memory(max_leak="32MiB")
+    def step(role):
+        if role == "clean":
+            clean_in.set()
+            done.wait(timeout=30)
+        else:
+            kept.append(torch.ones(96 * MiB // 4))
+
+    try:
+        step("leaky")
+    except memguard.MemoryLeakError:
+        pass
+    def clean_call():
+        try:
+            step("clean")
+        except memguard.MemoryLeakError as exc:
+            errors.append(str(exc))
+
+    clean = threading.Thread(target=clean_call)
+    clean.start()
+    assert clean_in.wait(timeout=30)
+    kept.clear()
+    with pytest.raises(memguard.MemoryLeakError, match="step retained"):
+        step("leaky")
+    done.set()
+    clean.join(timeout=60)
+    assert not clean.is_alive()
+    kept.clear()
+    assert errors == []
+
+
+# -- fork ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_fork_while_another_thread_is_inside_memguard_never_hangs_the_child():
+    result = run_python("""
+        import json, os, signal, threading, time
+        import memguard
+
+        stop = threading.Event()
+
+        @memguard.frees_memory(policy="always")
+        def step():
+            junk = [bytearray(1 << 16) for _ in range(50)]
+            junk.append(junk)
+
+        def busy():
+            while not stop.is_set():
+                with memguard.memory_scope():
+                    bytearray(1 << 20)
+                step()
+
+        # Warm up first: a child forked while another thread is importing a module (the
+        # host backend's first psutil import) waits for ever on Python's own module lock.
+        with memguard.memory_scope():
+            step()
+        thread = threading.Thread(target=busy, daemon=True)
+        thread.start()
+        hangs = 0
+        for i in range(40):
+            time.sleep(0.005 * (i % 7))
+            pid = os.fork()
+            if pid == 0:
+                with memguard.memory_scope():
+                    bytearray(1 << 20)
+                step()
+                os._exit(0)
+            deadline = time.monotonic() + 10
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    assert os.waitstatus_to_exitcode(status) == 0, status
+                    break
+                if time.monotonic() > deadline:
+                    hangs += 1
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+        stop.set()
+        thread.join()
+        print(json.dumps({"hangs": hangs}))
+    """, timeout=500)
+    assert result["hangs"] == 0
+
+
+# -- pickling and copying -------------------------------------------------------------------
+DECORATED = [df.shrinking_step, df.frees, df.frees_with_options, df.frees_async,
+             df.frees_generator, df.scoped, df.scoped_named, df.inferred,
+             df.inferred_with_model, df.microbatched, df.recorded]
+
+
+@pytest.mark.parametrize("func", DECORATED, ids=lambda f: f.__name__)
+def test_decorated_functions_pickle_by_reference(func):
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        data = pickle.dumps(func, protocol)
+        assert b"decorated_functions" in data and len(data) < 200
+        assert pickle.loads(data) is func
+
+
+@pytest.mark.parametrize("func", DECORATED, ids=lambda f: f.__name__)
+def test_copy_and_deepcopy_return_the_decorated_function_itself(func):
+    assert copy.copy(func) is func
+    assert copy.deepcopy(func) is func
+    assert copy.deepcopy({"step": [func]})["step"][0] is func
+
+
+def test_the_unpickled_function_is_the_working_decorated_one():
+    step = pickle.loads(pickle.dumps(df.shrinking_step))
+    assert step() == 64
+    assert [a.batch_size for a in step.history] == [1024, 512, 256, 128, 64]
+    scoped = pickle.loads(pickle.dumps(df.frees_with_options))
+    assert scoped(1) == 3
+
+
+def test_decorated_methods_pickle_like_bound_methods():
+    trainer = df.Trainer()
+    step = pickle.loads(pickle.dumps(trainer.step))
+    assert step(1) == 11
+    assert pickle.loads(pickle.dumps(df.Trainer.step))(trainer, 2) == 12
+    assert pickle.loads(pickle.dumps(trainer.fit))() == 8
+
+
+def test_local_and_lambda_decorated_functions_fail_to_pickle_as_plain_ones_do():
+    @memguard.frees_memory
+    def local(x):
+        return x
+
+    with pytest.raises((pickle.PicklingError, AttributeError), match="local object"):
+        pickle.dumps(local)
+    with pytest.raises(pickle.PicklingError, match="lambda"):
+        pickle.dumps(df.frees_lambda)
+    assert copy.copy(local) is local  # copying needs no name
+
+
+@pytest.mark.slow
+def test_an_oom_retry_function_runs_in_a_spawn_pool_and_retries_there():
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        sizes = pool.map_async(df.shrinking_step, [1024, 512]).get(timeout=240)
+    assert sizes == [64, 64]
