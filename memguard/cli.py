@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
@@ -19,11 +20,15 @@ ENVIRONMENT = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA
                "CUDA_VISIBLE_DEVICES", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
 
 
-def _size(text: str) -> int:
+def _positive_size(text: str) -> int:
     try:
-        return parse_size(text, "size")
+        value = parse_size(text, "size")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}; "
+                                         f"for example 768MiB")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -31,8 +36,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
     return value
 
 
@@ -73,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
                                       "budget, starting at a batch size that does not fit: "
                                       "oom_retry finds one that does, memory_scope and "
                                       "MemoryMonitor watch the training.")
-    demo.add_argument("--budget", type=_size, default=parse_size("768MiB"), metavar="SIZE",
-                      help="memory the training may use (default 768MiB)")
+    demo.add_argument("--budget", type=_positive_size, default=parse_size("768MiB"),
+                      metavar="SIZE", help="memory the training may use (default 768MiB)")
     demo.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
     demo.add_argument("--plot", default="memguard-demo.png", metavar="PATH",
                       help="where to write the timeline PNG (default memguard-demo.png)")
@@ -83,7 +88,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit code."""
+    """Run the command line; returns the exit code (1 when the reader of its output, such as
+    ``head``, went away: quietly, as other command-line tools do).
+
+    >>> main(["watch", "--count", "1"])  # doctest: +SKIP
+    12:00:00  host used 3.1 GiB free 12.4 GiB
+    0
+    """
     args = parser().parse_args(argv)
     try:
         if args.command == "info":
@@ -99,6 +110,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    epochs=args.epochs)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Python's documented recipe: later writes (the flush at exit) go to devnull.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 # -- info ------------------------------------------------------------------------------------------

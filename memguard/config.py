@@ -101,7 +101,7 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
                    f"{text!r} cannot take effect here; call it before the first CUDA "
                    f"operation, or set PYTORCH_ALLOC_CONF before starting Python")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    log.debug("memguard: allocator settings %s", text)
+    log.debug("allocator settings %s", text)
     return text
 
 
@@ -130,17 +130,7 @@ class MemoryLimit:
         self.limit = parse_size(limit, "limit")
         if self.limit <= 0:
             raise ValueError(f"memory_limit: limit must be positive, got {limit!r}")
-        self.device = device if device is not None else _default_device()
-        kind = self.device.partition(":")[0]
-        if self.device.upper().startswith("GPU"):
-            raise RuntimeError(
-                f"memory_limit: TensorFlow GPUs ({self.device}) can only be limited before "
-                f"TensorFlow initialises them, and not undone: at the start of the program, "
-                f"tf.config.set_logical_device_configuration(tf.config.list_physical_devices("
-                f"'GPU')[0], [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])")
-        if kind not in ("host", "cuda"):
-            raise ValueError(f"memory_limit: device must be 'host', 'cuda' or 'cuda:N', got "
-                             f"{self.device!r}")
+        self.device = _checked_device(device)
         self._restore: Any = None
 
     def __enter__(self) -> "MemoryLimit":
@@ -149,15 +139,15 @@ class MemoryLimit:
         if self.device == "host":
             self._restore = ("host", limit_address_space(self.limit))
         else:
-            index = int(self.device.partition(":")[2] or 0)
+            index = int(self.device.partition(":")[2])
             total = torch_backend.cuda_total(index)
             if self.limit > total:
                 raise ValueError(f"memory_limit: {format_bytes(self.limit)} is more than "
                                  f"{self.device} has ({format_bytes(total)})")
             previous = torch_backend.memory_fraction(index)
-            torch_backend.set_memory_fraction(index, self.limit / total)
+            torch_backend.set_memory_fraction(index, min(previous, self.limit / total))
             self._restore = ("cuda", index, previous)
-        log.debug("memguard: memory limited to %s on %s", format_bytes(self.limit), self.device)
+        log.debug("memory limited to %s on %s", format_bytes(self.limit), self.device)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -170,8 +160,36 @@ class MemoryLimit:
             torch_backend.set_memory_fraction(restore[1], restore[2])
 
 
-def _default_device() -> str:
-    return torch_backend.available_cuda_device() or "host"
+_DEVICES = "'host', 'cuda' or 'cuda:N'"
+
+
+def _checked_device(device: Any) -> str:
+    """``device`` as ``"host"`` or ``"cuda:N"`` (the default: the current CUDA device when
+    torch sees one, else the host), or an error that says what is wrong with it."""
+    if device is None:
+        return torch_backend.available_cuda_device() or "host"
+    if not isinstance(device, str):
+        raise TypeError(f"memory_limit: device must be a string such as 'host' or 'cuda:0', "
+                        f"got {device!r} of type {type(device).__name__}")
+    if device.upper().startswith("GPU"):
+        raise RuntimeError(
+            f"memory_limit: TensorFlow GPUs ({device}) can only be limited before "
+            f"TensorFlow initialises them, and not undone: at the start of the program, "
+            f"tf.config.set_logical_device_configuration(tf.config.list_physical_devices("
+            f"'GPU')[0], [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])")
+    kind, colon, index = device.partition(":")
+    if device == "host":
+        return device
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"memory_limit: device must be {_DEVICES}, got {device!r}")
+    count = torch_backend.cuda_device_count()
+    if not colon:
+        index = (torch_backend.available_cuda_device() or "cuda:0").partition(":")[2]
+    if int(index) >= count:
+        seen = "no CUDA GPU" if not count else f"{count} (cuda:0 to cuda:{count - 1})"
+        raise ValueError(f"memory_limit: device {device!r} needs a CUDA GPU, and torch sees "
+                         f"{seen}; use device='host' to rehearse on host memory instead")
+    return f"cuda:{int(index)}"
 
 
 def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
@@ -183,10 +201,16 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
       plus ``limit``, restored on exit. It counts address space, not resident memory, for
       the whole process (every thread), and works where the kernel enforces it (Linux).
+    - Nested limits only narrow: inside a block, an inner ``memory_limit`` larger than the
+      outer one leaves the outer one in force; on exit the outer one is back.
     - TensorFlow GPUs can only be limited before TensorFlow initialises them, for good: use
       ``tf.config.set_logical_device_configuration(gpu,
       [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])`` at the start; memory_limit
       raises a ``RuntimeError`` that says so.
+
+    A device that is not a string is a ``TypeError``; any other than ``"host"``,
+    ``"cuda"`` or ``"cuda:N"``, or a CUDA device torch does not see, a ``ValueError``, both
+    raised when ``memory_limit`` is called.
 
     >>> import torch, memguard
     >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP

@@ -6,7 +6,8 @@ not fit: ``oom_retry`` finds one that does, printing each retry as it happens; e
 runs in a ``memory_scope`` that tracks tensors, and a ``MemoryMonitor`` records the timeline.
 The exit code says whether everything held: a size was found, the epochs finished, memory
 did not creep up after the first epoch (64 MiB of slack for the allocators' noise), and no
-epoch left a tensor behind.
+epoch left a tensor behind. A budget too small for the kernels themselves ends with a message
+that says so and what to try, not a traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ._units import format_bytes
 from .config import memory_limit
@@ -27,6 +28,9 @@ FEATURES, HIDDEN, CLASSES = 128, 2048, 10
 SAMPLES = 32768
 START_BATCH = 65536
 CREEP_TOLERANCE = 64 << 20
+# Errors that, under a tight budget, are a failed allocation in disguise: oneDNN (torch's CPU
+# kernels) reports scratch memory it could not get as a primitive it could not create.
+DISGUISED_OOM = ("could not create a primitive",)
 
 
 def _say(text: str = "", end: str = "\n") -> None:
@@ -117,6 +121,23 @@ class _TensorFlow:
         return float(loss)
 
 
+def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optional[str]:
+    """What the demo says when ``exc`` is a failed allocation in disguise (see
+    ``DISGUISED_OOM``) at ``batch_size`` under ``budget`` bytes; None for any other error.
+
+    >>> text = explain_failure(RuntimeError("could not create a primitive"), 32 << 20, 512)
+    >>> text.endswith("a 32.0 MiB budget is too small for this demo; try --budget 256MiB "
+    ...               "or more (the default is 768MiB)")
+    True
+    """
+    if not any(text in str(exc) for text in DISGUISED_OOM):
+        return None
+    larger = max(2 * budget, 256 << 20) >> 20
+    return (f"gave up at batch_size={batch_size}: {exc} (oneDNN, torch's CPU kernels, most "
+            f"likely could not get scratch memory): a {format_bytes(budget)} budget is too "
+            f"small for this demo; try --budget {larger}MiB or more (the default is 768MiB)")
+
+
 def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         epochs: int = 3, say: Callable[..., None] = _say) -> int:
     """Run the demo; returns the exit code (0: everything held)."""
@@ -126,7 +147,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         f"{SAMPLES} samples, starting at batch_size={START_BATCH} (too big on purpose)")
     flavour.step(0, 64)  # warm up: kernels, thread pools and their arenas exist from here on
     scopes: list[MemoryScope] = []
-    epoch_number = [0]
+    epoch_number, attempted = [0], [START_BATCH]
 
     def on_retry(attempt: Attempt) -> None:
         say(f"  out of memory at batch_size={attempt.batch_size} after "
@@ -135,7 +156,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
 
     @oom_retry(batch_size=START_BATCH, on_retry=on_retry)
     def train_epoch(batch_size: int) -> float:
-        epoch = epoch_number[0]
+        epoch, attempted[0] = epoch_number[0], batch_size
         batches = math.ceil(SAMPLES / batch_size)
         loss = float("nan")
         with memory_scope(f"epoch {epoch}", track_tensors=True) as scope:
@@ -154,6 +175,13 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
                 train_epoch()
             except MemoryError as exc:
                 say(f"  gave up: {exc}")
+                ok = False
+                break
+            except RuntimeError as exc:
+                reason = explain_failure(exc, budget, attempted[0])
+                if reason is None:
+                    raise
+                say("  " + reason)
                 ok = False
                 break
     _summary(say, scopes, monitor, train_epoch.batch_size)
@@ -197,8 +225,9 @@ def _summary(say: Callable[..., None], scopes: list[MemoryScope], monitor: Memor
              final: Any) -> None:
     say()
     events = [label for _, label in monitor.marks if label.startswith("OOM")]
-    say(f"batch sizes tried: {', '.join(label.split('=')[1] for label in events)}"
-        f"{', ' if events else ''}{final} (fits)")
+    tried = [label.split("=")[1] for label in events]
+    say("batch sizes tried: " + ", ".join(tried + [f"{final} (fits)" if final is not None
+                                                   else "none fits"]))
     rows = [("epoch", "peak", "retained", "leaked tensors")]
     for scope in scopes:
         peak = ", ".join(f"{d} {format_bytes(v)}" for d, v in scope.peak.items())

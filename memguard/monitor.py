@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import math
 import threading
 import time
 from typing import Any, Optional
 
 from ._events import listen, unlisten
+from ._locks import ForkSafeLock
 from .backends import DeviceMemory, Devices, resolve_devices
 from .cleanup import Pairs, read_all
 
@@ -22,27 +24,44 @@ class MemoryMonitor:
     scopes and ``oom_retry`` attempts inside a running monitor add their own. The thread
     stops within one interval of ``stop()``, also when the body raised.
 
+    Memory stays bounded on runs of any length: at ``max_samples`` samples (about 520 bytes
+    each with one device) adjacent samples merge in pairs, halving the resolution of the
+    whole timeline, and later readings fold into samples of that coarser step. A merged
+    sample keeps the larger ``allocated`` and ``reserved`` of the two (a spike is never
+    lost) and the later time (the last sample is always the latest reading). Marks and
+    ``peak`` are kept in full.
+
     >>> import memguard
-    >>> with memguard.MemoryMonitor(interval=0.01) as mon:
+    >>> with memguard.MemoryMonitor(interval=0.01, max_samples=1000) as mon:
     ...     mon.mark("start")
     >>> mon.marks[0][1]
     'start'
+    >>> len(mon.samples) <= 1000
+    True
     """
 
-    def __init__(self, interval: float = 0.1, devices: Devices = None) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-            raise ValueError(f"MemoryMonitor: interval must be a positive number of seconds, "
-                             f"got {interval!r}")
+    def __init__(self, interval: float = 0.1, devices: Devices = None,
+                 max_samples: int = 100_000) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) \
+                or not math.isfinite(interval) or interval <= 0:
+            raise ValueError(f"MemoryMonitor: interval must be a positive, finite number of "
+                             f"seconds, got {interval!r}; for example interval=0.1")
+        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 2:
+            raise ValueError(f"MemoryMonitor: max_samples must be an int of at least 2, got "
+                             f"{max_samples!r}; the default, 100000, is about 50 MiB")
         self.interval = float(interval)
         self.devices = devices
+        self.max_samples = max_samples
         self.samples: list[tuple[float, dict[str, DeviceMemory]]] = []
+        self._stride = 1  # readings per sample (doubles at each halving)
+        self._filled = 0  # readings folded into the last sample
         self.marks: list[tuple[float, str]] = []
         self.peak: dict[str, int] = {}
         self.started: Optional[float] = None
         self._pairs: Pairs = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     # -- running -------------------------------------------------------------------------------
     def start(self) -> "MemoryMonitor":
@@ -90,11 +109,29 @@ class MemoryMonitor:
         readings = read_all(self._pairs)
         memory = {d: DeviceMemory(d, allocated=a, reserved=r) for d, (a, r) in readings.items()}
         with self._lock:
-            self.samples.append((now, memory))
+            self._record(now, memory)
             for backend, device in self._pairs:
                 level = readings[device][backend.level_field]
                 if level is not None and level > self.peak.get(device, -1):
                     self.peak[device] = level
+
+    def _record(self, now: float, memory: dict[str, DeviceMemory]) -> None:
+        """Add a reading to the timeline (the caller holds the lock): folded into the last
+        sample until it holds ``_stride`` readings; at ``max_samples``, halve the resolution."""
+        if self.samples and self._filled < self._stride:
+            self.samples[-1] = (now, _merge(self.samples[-1][1], memory))
+            self._filled += 1
+        elif len(self.samples) < self.max_samples:
+            self.samples.append((now, memory))
+            self._filled = 1
+        else:
+            old = self.samples
+            odd = len(old) % 2  # an unpaired last sample keeps its readings and stays open
+            self.samples[:] = [(b[0], _merge(a[1], b[1])) for a, b in zip(old[::2], old[1::2])
+                               ] + old[len(old) - odd:]
+            self._filled = self._stride * (1 if odd else 2)
+            self._stride *= 2
+            self._record(now, memory)
 
     def mark(self, label: str) -> None:
         """Add a labelled moment to the timeline (drawn as a vertical line by ``plot``)."""
@@ -106,7 +143,8 @@ class MemoryMonitor:
         """Samples, marks and peaks as a JSON-ready dict."""
         with self._lock:
             return {
-                "interval": self.interval, "started": self.started, "peak": dict(self.peak),
+                "interval": self.interval, "max_samples": self.max_samples,
+                "started": self.started, "peak": dict(self.peak),
                 "samples": [{"time": t, "devices": {d: m.to_dict() for d, m in mem.items()}}
                             for t, mem in self.samples],
                 "marks": [{"time": t, "label": label} for t, label in self.marks],
@@ -142,16 +180,17 @@ class MemoryMonitor:
         """Write a PNG of allocated and reserved memory per device over time, the marks as
         vertical lines. Needs matplotlib (``pip install "memguard[plot]"``)."""
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
         except ImportError as exc:
             raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
                               ) from exc
         series = self.series()
-        fig, axes = plt.subplots(len(series) or 1, 1, figsize=(10, 3.2 * max(1, len(series))),
-                                 squeeze=False)
+        # A Figure with its own Agg canvas: pyplot's global state and the program's chosen
+        # backend stay as they are.
+        fig = Figure(figsize=(10, 3.2 * max(1, len(series))))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(series) or 1, 1, squeeze=False)
         start = self.started or 0.0
         for ax, (device, lines) in zip(axes[:, 0], series.items()):
             for field, style in (("allocated", "-"), ("reserved", "--")):
@@ -168,7 +207,6 @@ class MemoryMonitor:
         fig.suptitle(title or "memguard memory timeline")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     def to_tensorboard(self, writer: Any, prefix: str = "memory") -> int:
@@ -192,3 +230,17 @@ class MemoryMonitor:
             raise TypeError(f"to_tensorboard needs a torch SummaryWriter or a TensorFlow summary "
                             f"writer, got {type(writer).__name__}")
         return len(rows)
+
+
+def _merge(a: dict[str, DeviceMemory], b: dict[str, DeviceMemory]) -> dict[str, DeviceMemory]:
+    """Two samples as one: per device, the larger ``allocated`` and ``reserved``."""
+    def larger(x: Optional[int], y: Optional[int]) -> Optional[int]:
+        return y if x is None else x if y is None else max(x, y)
+
+    out = dict(a)
+    for device, m in b.items():
+        old = out.get(device)
+        out[device] = m if old is None else DeviceMemory(
+            device, allocated=larger(old.allocated, m.allocated),
+            reserved=larger(old.reserved, m.reserved))
+    return out

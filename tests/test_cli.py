@@ -62,11 +62,14 @@ def test_watch_of_a_missing_process():
 @pytest.mark.parametrize("args", [
     ("watch", "--interval", "0"), ("watch", "--count", "x"), ("demo", "--budget", "lots"),
     ("demo", "--framework", "jax"), ("frobnicate",), (),
+    ("watch", "--interval", "nan", "--count", "2"), ("watch", "--interval", "inf", "--count", "2"),
+    ("demo", "--budget", "0"),
 ])
 def test_bad_arguments_exit_2_without_a_traceback(args):
     result = memguard(*args)
     assert result.returncode == 2
     assert "usage: memguard" in result.stderr and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error:" in line]) == 1
 
 
 @pytest.mark.parametrize("command", ["info", "watch", "demo"])

@@ -68,7 +68,7 @@ def test_start_twice_and_bad_interval():
     finally:
         mon.stop()
     for bad in (0, -1, "1", True):
-        with pytest.raises(ValueError, match="interval must be a positive number"):
+        with pytest.raises(ValueError, match="interval must be a positive, finite number"):
             memguard.MemoryMonitor(interval=bad)
 
 

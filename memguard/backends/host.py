@@ -195,15 +195,17 @@ def _vm_size() -> int:
 
 
 def limit_address_space(limit: int) -> tuple[int, int]:
-    """Set a soft ``RLIMIT_AS`` at the current virtual size + ``limit``; return the previous
+    """Set a soft ``RLIMIT_AS`` at the current virtual size + ``limit``, never wider than the
+    one in force (a limit inside a narrower one only narrows); return the previous
     ``(soft, hard)`` limits for :func:`restore_address_space`."""
     import resource
 
     previous = resource.getrlimit(resource.RLIMIT_AS)
     soft = _vm_size() + limit
+    for bound in previous:
+        if bound != resource.RLIM_INFINITY:
+            soft = min(soft, bound)
     hard = previous[1]
-    if hard != resource.RLIM_INFINITY:
-        soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     return previous
 

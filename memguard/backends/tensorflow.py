@@ -29,12 +29,16 @@ def _tf() -> Any:
 
 
 def _runtime_started() -> bool:
+    # Where TensorFlow cannot be asked (not importable, or a version without this private
+    # flag) the answer is "not started": looking must never start the runtime and claim GPUs.
+    if "tensorflow" not in sys.modules:
+        return False  # never imported: nothing started (and nothing imported to look)
     try:
         from tensorflow.python.eager import context
 
         return bool(context.context()._initialized)  # noqa: SLF001 - no public way to ask
     except (ImportError, AttributeError):
-        return True
+        return False
 
 
 class TensorFlowBackend(Backend):
@@ -196,7 +200,12 @@ def set_memory_growth(enable: bool) -> int:
 
 
 def runtime_started() -> bool:
-    """Whether TensorFlow has initialised its runtime (and so its devices)."""
+    """Whether TensorFlow has initialised its runtime (and so its devices); False where
+    TensorFlow cannot tell (memguard then lists no TensorFlow GPUs rather than start it).
+
+    >>> isinstance(runtime_started(), bool)
+    True
+    """
     return _runtime_started()
 
 

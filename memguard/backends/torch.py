@@ -328,11 +328,30 @@ def cuda_total(index: int) -> int:
 
 
 def available_cuda_device() -> Optional[str]:
-    """``"cuda:N"`` (the current device) when torch is imported and sees a GPU, else None."""
+    """``"cuda:N"`` when torch is imported and sees a GPU, else None; never initialises CUDA.
+
+    N is the current device once CUDA is initialised, else 0 (where CUDA will start).
+
+    >>> available_cuda_device() is None or available_cuda_device().startswith("cuda:")
+    True
+    """
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None
-    return f"cuda:{torch.cuda.current_device()}"
+    return TorchBackend().normalise("cuda")
+
+
+def cuda_device_count() -> int:
+    """How many CUDA GPUs torch sees (0 without torch or CUDA); never initialises CUDA.
+
+    >>> cuda_device_count() >= 0
+    True
+    """
+    try:
+        torch = _torch()
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
 def device_overview() -> list[dict[str, Any]]:
