@@ -46,7 +46,8 @@ Reduction = Literal["mean", "sum"]
 
 class _Config:
     def __init__(self, func: Callable[..., Any], model: Any, min_size: int, factor: float,
-                 reduction: str, grow_every: Optional[int], scaler: Any, sync: Sync) -> None:
+                 reduction: str, grow_every: Optional[int], scaler: Any, sync: Sync,
+                 sharded: bool) -> None:
         self.name = name_of(func)
         target = getattr(func, "__func__", func)
         self.names = list(inspect.signature(target).parameters)
@@ -60,6 +61,9 @@ class _Config:
         self.grow_every = grow_every
         self.scaler = scaler
         self.sync = sync
+        # FSDP's forward gathers parameters into tensors of its own: they are the graph's
+        # leaves, not strangers to the model
+        self.sharded = sharded
 
     def split_arguments(self, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple,
                                                                                 dict]:
@@ -193,7 +197,7 @@ class _Step:
 
     def _backward(self, loss: Any, weight: float, total: Any) -> Any:
         training.check_loss(loss, self.who)
-        if not self.state.looked_outside:
+        if not self.state.looked_outside and not self.cfg.sharded:
             self._look_outside(loss)
         return training.backward(loss, weight, self.cfg.scaler, total)
 
@@ -321,7 +325,8 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
         raise TypeError(f"auto_microbatch takes the model first: "
                         f"@auto_microbatch(model), not @auto_microbatch (got {model!r:.80})")
     training.parameters(model)
-    if training.sharded(model):
+    sharded = training.sharded(model)
+    if sharded:
         log.warning("auto_microbatch: %s is sharded with FSDP, whose collectives run inside "
                     "forward and backward: an out-of-memory on one rank alone leaves its "
                     "peers waiting in them until the process group's timeout",
@@ -332,7 +337,8 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
         if kind != "sync":
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
-        cfg = _Config(func, model, min_size, factor, reduction, grow_every, scaler, sync)
+        cfg = _Config(func, model, min_size, factor, reduction, grow_every, scaler, sync,
+                      sharded)
         state = _State()
 
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
