@@ -454,3 +454,38 @@ def test_asyncio_loop_calling_a_step():
 
     assert asyncio.run(main()).shape == ()
     assert step.microbatch_size == 32
+
+
+def test_a_tiny_gpt2_on_a_batch_encoding_splits_with_the_whole_batch_gradients():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(1))
+    batch = transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                        "labels": ids.clone()})
+
+    def too_many(module, args, kwargs):  # the allocator refuses more than 8 sequences
+        if kwargs["input_ids"].shape[0] > 8:
+            torch.empty(kwargs["input_ids"].shape[0] << 42)
+
+    model.register_forward_pre_hook(too_many, with_kwargs=True)
+    seen = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(b):
+        seen.append(type(b).__name__)
+        return model(**b).loss
+
+    loss = loss_of(batch)
+    expected = reference(**batch).loss  # a mean over tokens: all sequences are equally long
+    expected.backward()
+    assert [a.batch_size for a in loss_of.history] == [24, 12, 6]
+    assert set(seen) == {"BatchEncoding"}
+    assert abs(loss.item() - expected.item()) < 1e-5
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    assert worst < 1e-5
