@@ -34,15 +34,22 @@ resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 300 * 2**20, resource.RLIM_I
 """
 
 SEARCH = PRELUDE + """
+import time
 results = {}
 for name, run in [
         ("binsearch", lambda: memguard.find_batch_size(step, start=1)),
+        ("predict", lambda: memguard.find_batch_size(step, start=1, mode="predict")),
         ("power", lambda: memguard.find_batch_size(step, start=1, mode="power")),
         ("halving", lambda: memguard.oom_retry(batch_size=2048)(lambda batch_size: (
-            step(batch_size), batch_size)[1])())]:
+            step(batch_size), batch_size)[1])()),
+        ("oom_retry auto", lambda: memguard.oom_retry(batch_size=2048, factor="auto")(
+            lambda batch_size: (step(batch_size), batch_size)[1])())]:
     calls.clear()
     memguard.free_memory()
-    results[name] = {"found": run(), "trials": len(calls)}
+    started = time.perf_counter()
+    found = run()
+    results[name] = {"found": found, "trials": len(calls),
+                     "sizes": len(set(calls)), "seconds": time.perf_counter() - started}
 largest = max(r["found"] for r in results.values())
 while fits(largest + 1):
     largest += 1
@@ -53,21 +60,35 @@ print(json.dumps(results))
 
 def search(quick: bool) -> list[Result]:
     """Benchmark 4: the largest batch that fits a 300 MiB address-space budget (200 KiB per
-    sample, allocated twice), found by ``find_batch_size(mode="binsearch")``, by power
-    search alone (doubling until the first out-of-memory: the policy of Lightning's default
-    ``scale_batch_size`` mode, run here as ``mode="power"``) and by plain halving
-    (``oom_retry``). Reported: size found / largest feasible (found afterwards by walking up
-    one sample at a time) and the trials each used. The same process and budget for all
-    three; the policies are compared, not packages. Halving starts at 2048.
+    sample, allocated twice), found by ``find_batch_size(mode="binsearch")``, by
+    ``mode="predict"`` (peaks measured, a line fitted, a jump to what the budget holds), by
+    power search alone (doubling until the first out-of-memory: the policy of Lightning's
+    default ``scale_batch_size`` mode, run here as ``mode="power"``), by plain halving
+    (``oom_retry``) and by ``oom_retry(factor="auto")``. Reported: size found / largest
+    feasible (found afterwards by walking up one sample at a time), the step calls and
+    distinct sizes each used, and seconds. The same process and budget for all; the
+    policies are compared, not packages. Halving and "auto" start at 2048; the searches at 1.
+    Targets: binsearch >= 0.95 of the largest; predict >= 0.9 of binsearch's size in <= 8
+    trials.
     """
     out = run_python(SEARCH)
     largest = out["largest"]
     rows = []
-    for name, target in (("binsearch", ">= 0.95"), ("power", "report"), ("halving", "report")):
-        fraction = out[name]["found"] / largest
-        rows.append(Result(f"4 find size: {name}", fraction, None, "of largest", "-", target,
-                           fraction >= 0.95 if name == "binsearch" else None,
-                           f"{out[name]['found']}/{largest} in {out[name]['trials']} trials"))
+    for name in ("binsearch", "predict", "power", "halving", "oom_retry auto"):
+        r = out[name]
+        fraction = r["found"] / largest
+        if name == "binsearch":
+            target, met = ">= 0.95", fraction >= 0.95
+        elif name == "predict":
+            target = ">= 0.9 of binsearch in <= 8 trials"
+            met = r["found"] >= 0.9 * out["binsearch"]["found"] and r["trials"] <= 8
+        else:
+            target, met = "report", None
+        peer = out["binsearch"]["found"] / largest if name == "predict" else None
+        rows.append(Result(f"4 find size: {name}", fraction, peer, "of largest",
+                           "binsearch" if peer is not None else "-", target, met,
+                           f"{r['found']}/{largest} in {r['trials']} trials "
+                           f"({r['sizes']} sizes), {r['seconds']:.2f} s"))
     return rows
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 
 from benchmarks.common import Result, run_python
 
@@ -11,7 +13,8 @@ import gc, json, resource, time
 import torch, memguard
 from memguard.backends import host
 torch.set_num_threads(1)
-UNIT = 5 * 2**20 // 4          # 5 MiB per sample, allocated twice per attempt
+UNIT = 2**20 // 4              # 1 MiB per sample, allocated twice per attempt: 2 MiB
+START = 512
 CYCLE = {cycle}
 
 def vm_size():
@@ -39,7 +42,7 @@ def fits(size):
 attempt(1)
 memguard.free_memory()
 baseline = host.rss()
-resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 650 * 2**20, resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + 700 * 2**20, resource.RLIM_INFINITY))
 {runner}
 start = time.perf_counter()
 found = run()
@@ -53,7 +56,7 @@ second_attempts = len(entries)
 entries.clear()
 memguard.free_memory()
 memguard.free_memory()
-low, high = found, 100  # found fits, the start did not: bisect for the largest that fits
+low, high = found, START  # found fits, the start did not: bisect for the largest that fits
 while high - low > 1:
     middle = (low + high) // 2
     if fits(middle):
@@ -67,31 +70,46 @@ print(json.dumps({{"found": found, "seconds": seconds, "attempts": attempts, "he
 """
 
 MEMGUARD = """
-run = memguard.oom_retry(batch_size=100)(attempt)
+run = memguard.oom_retry(batch_size=START, factor={factor!r})(attempt)
 """
 
 ACCELERATE = """
 from accelerate.utils import find_executable_batch_size
 
-@find_executable_batch_size(starting_batch_size=100)
+@find_executable_batch_size(starting_batch_size=START)
 def run(batch_size):
     return attempt(batch_size)
+"""
+
+RESTARTED = """
+import os
+run = memguard.oom_retry(batch_size=START, factor="auto",
+                         cache=os.environ["MEMGUARD_BENCH_SIZES"])(attempt)
 """
 
 ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
 
 
-def recovery(quick: bool) -> list[Result]:
-    """Benchmark 3: the same memory-budgeted workload (5 MiB per sample allocated twice, a
-    650 MiB address-space budget, start at 100) under ``oom_retry`` (halving) and under
-    Accelerate's ``find_executable_batch_size`` (its default: x0.9), in fresh processes.
+def _runner(runner: str, cycle: bool, sizes: str = "") -> dict:
+    return run_python(WORKLOAD.format(cycle=cycle, runner=runner),
+                      env=dict(ENV, MEMGUARD_BENCH_SIZES=sizes))
 
-    Reported: attempts until success, seconds until success, size found / largest feasible
-    size (bisected afterwards between the size found and the start), the most memory still
-    held when a retry started, and the attempts of a second call (after a ``gc.collect()``,
-    since the cycle variant's successful attempt leaves its own garbage behind). Run twice:
-    plain, and with the attempt's first tensor in a reference cycle, which only a
-    collection outside ``except`` frees in time.
+
+def recovery(quick: bool) -> list[Result]:
+    """Benchmark 3: the same memory-budgeted workload (2 MiB per sample, 1 MiB allocated
+    twice, a 700 MiB address-space budget, start at 512: the issue's plain scenario) under
+    ``oom_retry`` halving (``factor=0.5``), ``oom_retry(factor="auto")`` (the next size from
+    what the failed attempt measured) and Accelerate's ``find_executable_batch_size`` (its
+    default: x0.9), each in a fresh process.
+
+    Reported per policy: attempts until success, seconds until success, size found / largest
+    feasible size (bisected afterwards between the size found and the start), the most
+    memory still held when a retry started, and the attempts of a second call (after a
+    ``gc.collect()``, since the cycle variant's successful attempt leaves its own garbage
+    behind). Run twice: plain, and with the attempt's first tensor in a reference cycle,
+    which only a collection outside ``except`` frees in time. Last, a restarted process:
+    ``factor="auto", cache=path`` run in one process, then in a second one with the same
+    file, whose first call must take one attempt.
     Fair to the peer: the same process set-up and budget; each tool at its own defaults.
     """
     have_peer = importlib.util.find_spec("accelerate") is not None
@@ -99,26 +117,41 @@ def recovery(quick: bool) -> list[Result]:
     mib = 2**20
     for cycle in (False, True):
         label = "cycle" if cycle else "plain"
-        mine = run_python(WORKLOAD.format(cycle=cycle, runner=MEMGUARD), env=ENV)
-        peer = (run_python(WORKLOAD.format(cycle=cycle, runner=ACCELERATE), env=ENV)
-                if have_peer else None)
-        note = (f"memguard {mine['found']}/{mine['largest']} in {mine['seconds']:.2f} s, "
-                f"held {mine['held'] / mib:.0f} MiB at a retry, second call "
-                f"{mine['second']} attempt(s)")
-        if peer:
-            note += (f"; accelerate {peer['found']}/{peer['largest']} in "
-                     f"{peer['seconds']:.2f} s, held {peer['held'] / mib:.0f} MiB, second "
-                     f"call {peer['second']}")
-        rows.append(Result(f"3 oom recovery ({label}): attempts", mine["attempts"],
+        halving = _runner(MEMGUARD.format(factor=0.5), cycle)
+        auto = _runner(MEMGUARD.format(factor="auto"), cycle)
+        peer = _runner(ACCELERATE, cycle) if have_peer else None
+        runs = [("halving", halving), ("auto", auto)] + ([("accelerate x0.9", peer)]
+                                                        if peer else [])
+        note = "; ".join(f"{name} {r['found']}/{r['largest']} in {r['attempts']} "
+                         f"attempts, {r['seconds']:.2f} s, held {r['held'] / mib:.0f} MiB at "
+                         f"a retry, second call {r['second']} attempt(s)" for name, r in runs)
+        rows.append(Result(f"3 oom recovery ({label}): halving attempts",
+                           halving["attempts"],
                            peer["attempts"] if peer else None, "attempts",
                            "accelerate" if peer else "accelerate (not installed)",
                            "<= peer; nothing held; 2nd call 1 attempt",
-                           (peer is None or mine["attempts"] <= peer["attempts"])
-                           and mine["held"] < 20 * mib and mine["second"] == 1, note))
-        rows.append(Result(f"3 oom recovery ({label}): size found / largest",
-                           mine["found"] / mine["largest"],
-                           peer["found"] / peer["largest"] if peer else None, "fraction",
-                           "accelerate", "report", None))
+                           (peer is None or halving["attempts"] <= peer["attempts"])
+                           and halving["held"] < 20 * mib and halving["second"] == 1, note))
+        for name, r in runs:
+            rows.append(Result(f"3 oom recovery ({label}): {name} size / largest",
+                               r["found"] / r["largest"],
+                               peer["found"] / peer["largest"] if peer else None, "fraction",
+                               "accelerate", ">= 0.85 in <= 3 attempts" if name == "auto"
+                               else "report",
+                               (r["found"] >= 0.85 * r["largest"] and r["attempts"] <= 3
+                                and r["held"] < 20 * mib and r["second"] == 1)
+                               if name == "auto" else None,
+                               f"{r['attempts']} attempts, {r['seconds']:.3f} s"))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "sizes.json")
+        first = _runner(RESTARTED, False, path)
+        restarted = _runner(RESTARTED, False, path)
+    rows.append(Result("3 oom recovery: restarted process, cache=path", restarted["attempts"],
+                       first["attempts"], "attempts", "the first process",
+                       "1 attempt", restarted["attempts"] == 1
+                       and restarted["found"] == first["found"],
+                       f"first process {first['found']} in {first['attempts']} attempts, "
+                       f"restarted {restarted['found']} in {restarted['attempts']}"))
     return rows
 
 

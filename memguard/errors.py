@@ -153,3 +153,71 @@ def is_oom_error(exc: Any) -> bool:
     False
     """
     return oom_kind(exc) is not None
+
+
+# What the failed allocation asked for, as the frameworks state it.
+_UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+          "PiB": 1 << 50, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+_REQUEST_PATTERNS = (
+    re.compile(r"you tried to allocate (\d+) bytes"),                      # torch CPU
+    re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)"),  # CUDA, MPS
+    re.compile(r"Out of memory while trying to allocate (\d+) bytes"),     # XLA
+    re.compile(r"Unable to allocate (\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB|PiB) for an array"),  # numpy
+    re.compile(r"unable to mmap (\d+) bytes"),                             # torch mappings
+)
+_TF_TENSOR = re.compile(r"OOM when allocating tensor with shape\s*\[([\d, ]*)\] and type (\w+)")
+_TF_DTYPES = {"float": 4, "double": 8, "half": 2, "bfloat16": 2, "int32": 4, "int64": 8,
+              "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "bool": 1, "complex64": 8,
+              "complex128": 16, "uint32": 4, "uint64": 8}
+_GPU_INDEX = re.compile(r"GPU (\d+) has a total capacity")
+
+
+def requested_bytes(exc: Any) -> Optional[int]:
+    """The bytes the failed allocation asked for, as an out-of-memory's message states them
+    (torch's CPU and CUDA allocators, MPS, XLA, numpy, TensorFlow's tensor shape and type,
+    a failed mapping), looking along the ``__cause__`` chain; ``None`` when no message says.
+
+    >>> requested_bytes(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried "
+    ...                              "to allocate 1048576 bytes. Error code 12"))
+    1048576
+    >>> requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    20971520
+    """
+    seen: set[int] = set()
+    current = exc
+    while isinstance(current, BaseException) and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        for pattern in _REQUEST_PATTERNS:
+            match = pattern.search(text)
+            if match:
+                unit = match.group(2) if pattern.groups > 1 else "B"
+                return int(float(match.group(1)) * _UNITS[unit])
+        match = _TF_TENSOR.search(text)
+        if match and match.group(2) in _TF_DTYPES:
+            count = 1
+            for dim in match.group(1).replace(" ", "").split(","):
+                count *= int(dim) if dim else 1
+            return count * _TF_DTYPES[match.group(2)]
+        current = current.__cause__
+    return None
+
+
+def oom_device(exc: Any) -> str:
+    """The device an out-of-memory ran out on, as memguard names it: ``"cuda:N"`` (or
+    ``"cuda"`` when the message does not say which) for CUDA's errors, ``"host"`` for the CPU
+    allocator, ``MemoryError``, file mappings and anything else.
+
+    >>> oom_device(RuntimeError("CUDA out of memory. GPU 1 has a total capacity of 79 GiB"))
+    'cuda:1'
+    """
+    kind = oom_kind(exc) or ""
+    text = str(exc)
+    match = _GPU_INDEX.search(text)
+    if match:
+        return f"cuda:{match.group(1)}"
+    if any(word in kind for word in ("CUDA", "cuBLAS", "cuDNN", "ROCm")):
+        return "cuda"
+    if "device:GPU:" in text:
+        return "GPU:" + text.split("device:GPU:")[1][:1]
+    return "host"

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
@@ -23,12 +23,17 @@ from ._locks import ForkSafeLock
 from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync
-from .errors import MemguardError, OutOfMemoryError, oom_kind
+from .backends import torch_state
+from .backends.budget import available as budget_available
+from .backends.budget import watched_devices
+from .errors import MemguardError, OutOfMemoryError, oom_device, oom_kind, requested_bytes
 from .history import dump, start_recording, stop_recording
+from .sizes import SizeFile, check_path, size_after_oom, size_key
 from .snapshot import MemorySnapshot, snapshot
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
+Factor = Union[float, Literal["auto"], Callable[[int], int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +73,17 @@ class Attempt:
 
 
 def memory_summary(snap: Optional[MemorySnapshot]) -> str:
-    """``"host 1.2 GiB, cuda:0 allocated 30.1 GiB of 31.7 GiB"``: a short line for logs."""
+    """``"host 58.1 MiB of the 60.0 MiB memory_limit (address space), cuda:0 30.1 GiB of the
+    31.7 GiB CUDA device (device memory)"``: a short line for logs, on the budget that binds
+    on each device (what it counts, its limit, what of it was used) where one is known."""
     if snap is None:
         return "memory unknown"
     parts = []
     for name, mem in snap.devices.items():
+        binding = snap.budgets.get(name)
+        if binding is not None:
+            parts.append(f"{name} {binding.short()}")
+            continue
         used = mem.reserved if name == "host" else mem.allocated
         total = f" of {format_bytes(mem.total)}" if mem.total is not None else ""
         parts.append(f"{name} {format_bytes(used)}{total}")
@@ -100,13 +111,39 @@ def check_factor(factor: Any) -> float:
     return float(factor)
 
 
+def check_policy(factor: Any) -> Factor:
+    """``factor`` as ``oom_retry`` takes it: a fraction, ``"auto"`` or a callable."""
+    if factor == "auto" and isinstance(factor, str):
+        return "auto"
+    if callable(factor):
+        return factor  # type: ignore[no-any-return]
+    if isinstance(factor, str):
+        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
+                         f"callable size -> next size, got {factor!r}")
+    return check_factor(factor)
+
+
+def policy_size(factor: Factor, size: int) -> Optional[int]:
+    """The next size by a fixed fraction or a callable (checked); ``None`` for ``"auto"``."""
+    if factor == "auto":
+        return None
+    if callable(factor):
+        value = factor(size)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < size:
+            raise ValueError(f"oom_retry: factor {name_of(factor)}({size}) returned {value!r}; "
+                             f"it must return a positive int smaller than {size}")
+        return value
+    return math.floor(size * factor)
+
+
 class _Config:
     def __init__(self, func: Callable[..., Any], batch_size: Optional[int], arg: str,
-                 min_batch_size: int, factor: float, max_attempts: Optional[int],
-                 keep_effective_batch: bool, accumulation_arg: str, cache: bool, sync: Sync,
+                 min_batch_size: int, factor: Factor, max_attempts: Optional[int],
+                 keep_effective_batch: bool, accumulation_arg: str, cache: Any, sync: Sync,
                  on_retry: Optional[Callable[[Attempt], Any]],
-                 snapshot_dir: Optional[str]) -> None:
+                 snapshot_dir: Optional[str], restore: tuple[Any, ...] = ()) -> None:
         self.name = name_of(func)
+        self.func = func
         target = getattr(func, "__func__", func)
         params = inspect.signature(target).parameters
         if arg not in params:
@@ -125,7 +162,9 @@ class _Config:
         self.max_attempts = max_attempts
         self.keep_effective_batch = keep_effective_batch
         self.accumulation_arg = accumulation_arg
-        self.cache = cache
+        self.cache = bool(cache)
+        self.file = None if isinstance(cache, bool) else SizeFile(cache)
+        self.restore = restore
         self.sync = sync
         self.on_retry = on_retry
         self.snapshot_dir = snapshot_dir
@@ -185,7 +224,19 @@ class _Run:
         with state.lock:
             cached = (state.cache.get(self.requested)
                       if cfg.cache and not self.recursive else None)
+        self.key: Optional[str] = None
+        if cfg.file is not None and not self.recursive:
+            self.key = size_key("oom_retry", cfg.func, self.requested)
+            if cached is None:
+                stored = cfg.file.get(self.key)
+                cached = min(stored, self.requested) if stored is not None else None
+                if cached is not None and cached < cfg.min_batch_size:
+                    cached = None
         self.agreement = Agreement(cfg.sync)
+        self.saved = (torch_state.copy_states(cfg.restore, budget_available("host"))
+                      if cfg.restore and not self.recursive else None)
+        self.before: dict[str, Optional[int]] = {}
+        self.estimate: Optional[int] = None
         start = min(resumed, self.requested) if resumed is not None else cached
         self.size = self.agreement.smallest(start or self.requested)
         self.attempts: list[Attempt] = []
@@ -198,6 +249,9 @@ class _Run:
     def close(self) -> None:
         """The call is over, however it ended."""
         _NEST.reset(self.token)
+        if self.saved is not None:
+            self.saved.discard()
+            self.saved = None
         if self.recording:
             self.recording = False
             stop_recording()
@@ -221,6 +275,8 @@ class _Run:
         self.bound.arguments[self.cfg.arg] = self.size
         if self.cfg.keep_effective_batch:
             self.bound.arguments[self.cfg.accumulation_arg] = self.steps()
+        if self.cfg.factor == "auto":
+            self.before = {d: _safe_available(d) for d in watched_devices()}
         self.started = time.perf_counter()
         return self.bound.args, self.bound.kwargs
 
@@ -231,7 +287,33 @@ class _Run:
             return None
         if self.size <= self.cfg.min_batch_size:
             return None
-        return max(self.cfg.min_batch_size, math.floor(self.size * self.cfg.factor))
+        upcoming = policy_size(self.cfg.factor, self.size)
+        if upcoming is None:  # "auto": what the failed attempt measured, else halve
+            upcoming = self.estimate if self.estimate is not None else self.size // 2
+        upcoming = max(self.cfg.min_batch_size, upcoming)
+        if self.cfg.factor == "auto" or callable(self.cfg.factor):
+            upcoming = self.agreement.smallest(upcoming)  # sizes measured per rank
+        return upcoming
+
+    def _measure(self, exc: BaseException) -> None:
+        """Inside ``except``, for ``factor="auto"``: the next size from what the failed
+        attempt had taken and asked for against what was available when it began."""
+        self.estimate = None
+        device = oom_device(exc)
+        if device == "cuda":
+            device = next((d for d in self.before if d.startswith("cuda:")), device)
+        before = self.before.get(device)
+        now = _safe_available(device)
+        asked = requested_bytes(exc)
+        if before is None or now is None or asked is None:
+            log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
+                      "%s, asked %s); halving", self.cfg.name, device, before, asked)
+            return
+        need = max(0, before - now) + asked
+        self.estimate = size_after_oom(self.size, need, before)
+        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s",
+                  self.cfg.name, self.size, format_bytes(need), format_bytes(before), device,
+                  self.estimate)
 
     def failed(self, exc: BaseException) -> bool:
         """Inside ``except``: record and decide. False: not an out-of-memory, re-raise it."""
@@ -247,6 +329,8 @@ class _Run:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
                                 f"not an out-of-memory while this one ran out of memory at "
                                 f"{self.cfg.arg}={self.size}; see that rank's log") from exc
+        if self.cfg.factor == "auto":
+            self._measure(exc)
         self._decide(exc)
         drop_frames(exc)
         return True
@@ -263,6 +347,8 @@ class _Run:
                 self.state.batch_size = self.size
                 if self.cfg.cache:
                     self.state.cache[self.requested] = self.size
+            if self.cfg.file is not None and self.key is not None:
+                self.cfg.file.put(self.key, self.size)
             return True
         why = ("another rank ran out of memory" if worst == OOM else
                "another rank failed with an error that is not an out-of-memory")
@@ -270,6 +356,7 @@ class _Run:
                                      safe_snapshot()))
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: {why}; see that rank's log")
+        self.estimate = None  # nothing measured here: "auto" halves
         self._decide(None)
         return False
 
@@ -293,12 +380,22 @@ class _Run:
     def recover(self) -> None:
         """Outside ``except``: free the failed attempt's memory, log, call ``on_retry``."""
         freed = free_memory()
+        if self.saved is not None:
+            self.saved.load()  # the next attempt starts from the state the first one did
         last = self.attempts[-1]
         log.warning("%s: %s at %s=%d; %s; freed %s; retrying at %s=%d",
                     self.cfg.name, last.error, self.cfg.arg, last.batch_size,
                     memory_summary(last.memory), format_bytes(freed), self.cfg.arg, self.size)
         if self.cfg.on_retry is not None:
             self.cfg.on_retry(last)
+
+
+def _safe_available(device: str) -> Optional[int]:
+    """What ``device`` can still give under its binding budget; ``None`` if unknown."""
+    try:
+        return budget_available(device)
+    except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
+        return None
 
 
 def safe_snapshot() -> Optional[MemorySnapshot]:
@@ -369,11 +466,12 @@ def _wrap(func: F, cfg: _Config) -> F:
 
 
 def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
-              arg: str = "batch_size", min_batch_size: int = 1, factor: float = 0.5,
+              arg: str = "batch_size", min_batch_size: int = 1, factor: Factor = 0.5,
               max_attempts: Optional[int] = None, keep_effective_batch: bool = False,
-              accumulation_arg: str = "accumulation_steps", cache: bool = True,
+              accumulation_arg: str = "accumulation_steps",
+              cache: Union[bool, str, "os.PathLike[str]"] = True,
               sync: Sync = "auto", on_retry: Optional[Callable[[Attempt], Any]] = None,
-              snapshot_dir: Optional[str] = None) -> Any:
+              snapshot_dir: Optional[str] = None, restore: Any = None) -> Any:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -381,7 +479,27 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     last worked for that same start. On an out-of-memory (see :func:`is_oom_error`) the
     failed attempt's frames are cleared, garbage is collected and every cache emptied, and the
     next attempt runs at ``max(min_batch_size, floor(size * factor))``; any other exception
-    propagates untouched. When the attempt at ``min_batch_size`` (or the ``max_attempts``-th)
+    propagates untouched. ``factor="auto"`` measures instead: the failed attempt took
+    ``used`` bytes of the budget that binds on the device that ran out (a ``memory_limit``, a
+    soft ``RLIMIT_AS``, a cgroup's ``memory.max``, CUDA's free plus reserved-but-unused
+    memory) before an allocation of ``asked`` bytes failed (the size torch's, TensorFlow's
+    and numpy's messages state), where ``available`` bytes were free when it began; the next
+    size is ``size * available * 0.95 / (used + asked)``, kept between ``size * 0.25`` and
+    ``size * 0.9`` (halving when the message states no size). ``factor`` may also be a
+    callable ``size -> next size``; what it returns must be a positive int below ``size``
+    (else ``ValueError`` naming the value).
+
+    ``restore=(model, optimizer, ...)``: objects with ``state_dict``/``load_state_dict``
+    (modules, optimizers, LR schedulers, a ``GradScaler``) whose state, with a module's
+    gradients, is copied to host memory when the call begins (to a temporary file when
+    larger than half the host's available memory) and loaded back before each retry, so
+    every attempt starts from the state the first one did.
+
+    ``cache`` may be a file path: the working sizes are then also kept in that JSON file,
+    keyed by the function's qualified name, the start size and the device (name and total
+    memory), written atomically under a lock so that several ranks or processes may share
+    it; a restarted job starts at the size that worked. A corrupt or unreadable file is a
+    warning. When the attempt at ``min_batch_size`` (or the ``max_attempts``-th)
     fails too, :class:`OutOfMemoryError` lists every size tried with the memory at each
     failure. ``keep_effective_batch=True`` also passes ``accumulation_arg =
     ceil(start / size)`` so that ``size * steps >= start`` (BatchNorm statistics still see
@@ -425,14 +543,17 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     if batch_size is not None and min_batch_size > batch_size:
         raise ValueError(f"oom_retry: min_batch_size={min_batch_size} is larger than "
                          f"batch_size={batch_size}")
-    factor = check_factor(factor)
+    factor = check_policy(factor)
     if max_attempts is not None:
         check_size(max_attempts, "max_attempts")
+    if not isinstance(cache, bool):
+        cache = check_path(cache)
+    objects = torch_state.check_restorable(restore)
 
     def decorate(f: F) -> F:
         cfg = _Config(f, batch_size, arg, min_batch_size, factor, max_attempts,
                       keep_effective_batch, accumulation_arg, cache, sync, on_retry,
-                      snapshot_dir)
+                      snapshot_dir, objects)
         return _wrap(f, cfg)
 
     return decorate if func is None else decorate(func)

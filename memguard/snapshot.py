@@ -9,6 +9,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from ._units import format_bytes
 from .backends import DeviceMemory, Devices, resolve_devices
+from .backends.budget import Budget, budget
 
 _FIELDS = ("allocated", "reserved", "peak", "free", "total")
 
@@ -22,9 +23,13 @@ class MemorySnapshot:
     """Memory of several devices at one moment (or, with ``delta=True``, a difference).
 
     ``devices`` maps each device name to its :class:`DeviceMemory`; ``time`` is
-    ``time.time()`` when it was taken. ``snap["host"]`` reads one device, ``later - earlier``
-    gives a delta of the same shape (devices present in both), and ``str(snap)`` an aligned
-    table.
+    ``time.time()`` when it was taken; ``budgets`` maps each device that has one to the
+    budget that binds there (:class:`memguard.backends.budget.Budget`: a ``memory_limit``, a
+    soft ``RLIMIT_AS``, a cgroup's ``memory.max``, physical memory; CUDA's free plus
+    reserved-but-unused memory), with its limit, what of it is used and what is available.
+    ``snap["host"]`` reads one device, ``later - earlier`` gives a delta of the same shape
+    (devices present in both; no budgets), and ``str(snap)`` an aligned table followed by
+    one line per budget.
 
     >>> import memguard
     >>> before = memguard.snapshot()
@@ -37,9 +42,11 @@ class MemorySnapshot:
     devices: Mapping[str, DeviceMemory]
     time: float
     delta: bool = False
+    budgets: Mapping[str, Budget] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", types.MappingProxyType(dict(self.devices)))
+        object.__setattr__(self, "budgets", types.MappingProxyType(dict(self.budgets)))
 
     def __getitem__(self, device: str) -> DeviceMemory:
         try:
@@ -65,20 +72,22 @@ class MemorySnapshot:
         return MemorySnapshot(devices, self.time - other.time, delta=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"time": ..., "delta": ..., "devices": {name: {field: bytes}}}``, JSON-ready."""
+        """``{"time": ..., "delta": ..., "devices": {name: {field: bytes}}, "budgets": {name:
+        {"kind", "limit", "used", "available", ...}}}``, JSON-ready."""
         return {"time": self.time, "delta": self.delta,
-                "devices": {name: mem.to_dict() for name, mem in self.devices.items()}}
+                "devices": {name: mem.to_dict() for name, mem in self.devices.items()},
+                "budgets": {name: b.to_dict() for name, b in self.budgets.items()}}
 
     def __str__(self) -> str:
         rows = [("device",) + _FIELDS]
         rows += [(name,) + tuple(format_bytes(getattr(mem, f), signed=self.delta) for f in _FIELDS)
                  for name, mem in self.devices.items()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join(
-            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-            for row in rows
-        )
+        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                           for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                 for row in rows]
+        lines += [f"budget {b}" for b in self.budgets.values()]
+        return "\n".join(lines)
 
 
 def snapshot(devices: Devices = None) -> MemorySnapshot:
@@ -90,4 +99,18 @@ def snapshot(devices: Devices = None) -> MemorySnapshot:
     True
     """
     when = time.time()
-    return MemorySnapshot({d: b.read(d) for b, d in resolve_devices(devices)}, when)
+    read = {d: b.read(d) for b, d in resolve_devices(devices)}
+    return MemorySnapshot(read, when, budgets=_budgets(read))
+
+
+def _budgets(devices: Mapping[str, DeviceMemory]) -> dict[str, Budget]:
+    found = {}
+    for name in devices:
+        if name == "host" or name.startswith("cuda:"):
+            try:
+                binding = budget(name)
+            except Exception:  # noqa: BLE001 - a budget that cannot be read is not known
+                binding = None
+            if binding is not None:
+                found[name] = binding
+    return found

@@ -32,9 +32,32 @@ def test_difference_of_two_snapshots_measures_an_allocation():
 
 def test_to_dict_is_json_ready_and_complete():
     data = json.loads(json.dumps(memguard.snapshot().to_dict()))
-    assert set(data) == {"time", "delta", "devices"}
+    assert set(data) == {"time", "delta", "devices", "budgets"}
     assert set(data["devices"]["host"]) == {"device", "allocated", "reserved", "peak", "free",
                                             "total"}
+    assert set(data["budgets"]["host"]) == {"device", "kind", "limit", "used", "available",
+                                            "measure"}
+
+
+def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used():
+    """Under a 60 MiB memory_limit the host's budget is that limit, counted in address space,
+    not the machine's physical memory."""
+    free = memguard.snapshot()["host"]
+    assert memguard.snapshot().budgets["host"].kind in ("physical memory", "RLIMIT_AS",
+                                                        "cgroup memory.max")
+    with memguard.memory_limit("60MiB", device="host"):
+        before = memguard.snapshot()
+        block = torch.ones(20 * MiB // 4)
+        after = memguard.snapshot()
+        del block
+    limit = after.budgets["host"]
+    assert limit.kind == "memory_limit" and limit.limit == 60 * MiB
+    assert limit.measure == "address space"
+    assert 18 * MiB < limit.used - before.budgets["host"].used < 24 * MiB
+    assert limit.available == limit.limit - limit.used < 42 * MiB
+    assert "budget host: memory_limit 60.0 MiB (address space)" in str(after)
+    assert memguard.snapshot().budgets["host"].kind != "memory_limit"  # gone after the block
+    assert (after - before).budgets == {} and free.total > 60 * MiB
 
 
 def test_str_is_an_aligned_table_in_binary_units():

@@ -201,12 +201,17 @@ def limit_address_space(limit: int) -> tuple[int, int]:
     import resource
 
     previous = resource.getrlimit(resource.RLIMIT_AS)
-    soft = _vm_size() + limit
+    base = _vm_size()
+    soft = base + limit
     for bound in previous:
         if bound != resource.RLIM_INFINITY:
             soft = min(soft, bound)
     hard = previous[1]
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    if soft == previous[0] and _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
+        _MEMORY_LIMITS.append(_MEMORY_LIMITS[-1])  # a wider inner limit: the outer one holds
+    else:
+        _MEMORY_LIMITS.append((soft, base))
     return previous
 
 
@@ -215,6 +220,81 @@ def restore_address_space(previous: tuple[int, int]) -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, previous)
+    if _MEMORY_LIMITS:
+        _MEMORY_LIMITS.pop()
+
+
+# -- budgets: what the process may still allocate on the host -----------------------------------
+# (soft RLIMIT_AS set by memory_limit, the virtual size when it was set), innermost last.
+_MEMORY_LIMITS: list[tuple[int, int]] = []
+
+
+def address_space_budget() -> Optional[tuple[str, int, int]]:
+    """The soft ``RLIMIT_AS`` in force as ``(kind, limit, used)`` in bytes of address space,
+    or ``None`` when there is none (or off Linux). ``kind`` is ``"memory_limit"`` when
+    :func:`memguard.memory_limit` set it (``limit`` is then the size it was given and
+    ``used`` the address space mapped since), else ``"RLIMIT_AS"`` (``limit`` the soft limit,
+    ``used`` the whole virtual size). Under such a limit the virtual size, not the resident
+    set, is what runs out.
+
+    >>> address_space_budget() is None or address_space_budget()[1] > 0
+    True
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        vm = _vm_size()
+    except (ImportError, OSError, ValueError):
+        return None
+    if _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
+        base = _MEMORY_LIMITS[-1][1]
+        return "memory_limit", soft - base, vm - base
+    return "RLIMIT_AS", soft, vm
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_memory_budget(root: str = _CGROUP_ROOT,
+                         membership: str = "/proc/self/cgroup") -> Optional[tuple[int, int]]:
+    """The cgroup v2 ``memory.max`` of this process's cgroup (the tightest one up the tree)
+    and its ``memory.current``, as ``(limit, used)`` in bytes; ``None`` without cgroup v2 or
+    without a limit (``max``). ``root`` and ``membership`` name where the files are.
+
+    >>> cgroup_memory_budget(root="/nonexistent") is None
+    True
+    """
+    try:
+        with open(membership) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is None:
+        return None
+    best: Optional[tuple[int, int]] = None
+    parts = [p for p in path.strip("/").split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        folder = os.path.join(root, *parts[:depth])
+        try:
+            with open(os.path.join(folder, "memory.max")) as f:
+                text = f.read().strip()
+            with open(os.path.join(folder, "memory.current")) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text == "max":
+            continue
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        if best is None or limit - used < best[0] - best[1]:
+            best = (limit, used)
+    return best
 
 
 def _import_psutil_before_fork() -> None:

@@ -375,3 +375,42 @@ def device_overview() -> list[dict[str, Any]]:
 def version() -> str:
     """The installed torch's version (imports it)."""
     return str(_torch().__version__)
+
+
+# -- budgets --------------------------------------------------------------------------------------
+def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:
+    """What CUDA device ``index`` can still give this process, as ``(kind, limit, used)`` in
+    bytes, or ``None`` when this process has not initialised CUDA (looking never does).
+
+    Free memory counts the driver's free bytes plus the caching allocator's reserved but
+    unused ones (it hands those out first). Under a per-process memory fraction (what
+    :func:`memguard.memory_limit` sets) the cap is ``fraction * total`` of allocator memory,
+    and ``kind`` is ``"CUDA memory fraction"``; else ``"CUDA device"`` with ``limit`` the
+    device's total. ``used = limit - available`` either way.
+    """
+    if not cuda_initialised():
+        return None
+    torch = _torch()
+    try:
+        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
+        allocated = int(torch.cuda.memory_allocated(index))
+        reserved = int(torch.cuda.memory_reserved(index))
+    except (RuntimeError, AssertionError):
+        return None
+    available = free + max(0, reserved - allocated)
+    fraction = memory_fraction(index)
+    if fraction < 1.0:
+        cap = int(fraction * total)
+        if cap - allocated < available:
+            return "CUDA memory fraction", cap, allocated
+    return "CUDA device", total, total - available
+
+
+def cuda_identity(index: int) -> Optional[str]:
+    """``"NVIDIA H100 80GB HBM3 (79.1 GiB)"``-like: the name and total memory of CUDA device
+    ``index``, or ``None`` when CUDA is not initialised."""
+    if not cuda_initialised():
+        return None
+    torch = _torch()
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} ({int(props.total_memory)} bytes)"

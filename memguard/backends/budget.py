@@ -1,0 +1,137 @@
+"""Memory budgets: how much each device can still give this process, and which limit says so.
+
+The host's budgets are, in turn: a soft ``RLIMIT_AS`` (set by :func:`memguard.memory_limit`,
+``ulimit -v`` or a launcher; counts address space), a cgroup v2 ``memory.max`` (containers;
+counts the cgroup's memory) and the machine's physical memory (psutil's ``available``). A CUDA
+device's budget is the driver's free memory plus the caching allocator's reserved-but-unused
+bytes, capped by a per-process memory fraction. The one that binds is the one with the least
+left: :func:`budget`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from typing import Any, Optional
+
+from .._units import format_bytes
+from .host import address_space_budget, cgroup_memory_budget
+from . import torch as torch_backend
+
+# What each kind of budget counts, for messages.
+MEASURES = {"memory_limit": "address space", "RLIMIT_AS": "address space",
+            "cgroup memory.max": "cgroup memory", "physical memory": "physical memory",
+            "CUDA memory fraction": "allocator memory", "CUDA device": "device memory"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """One limit on a device's memory: ``kind`` (``"memory_limit"``, ``"RLIMIT_AS"``,
+    ``"cgroup memory.max"``, ``"physical memory"``, ``"CUDA memory fraction"``,
+    ``"CUDA device"``), its ``limit`` and what of it is ``used``, in bytes; ``available`` is
+    what is left.
+
+    >>> str(Budget("host", "memory_limit", 60 * 2**20, 42 * 2**20))
+    'host: memory_limit 60.0 MiB (address space), 42.0 MiB used, 18.0 MiB available'
+    """
+
+    device: str
+    kind: str
+    limit: int
+    used: int
+
+    @property
+    def available(self) -> int:
+        """``limit - used``, never below 0."""
+        return max(0, self.limit - self.used)
+
+    @property
+    def measure(self) -> str:
+        """What the limit counts: address space, cgroup memory, device memory..."""
+        return MEASURES.get(self.kind, "memory")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields and ``available``, JSON-ready."""
+        return dict(dataclasses.asdict(self), available=self.available, measure=self.measure)
+
+    def short(self) -> str:
+        """``"42.0 MiB of the 60.0 MiB memory_limit (address space)"``."""
+        return (f"{format_bytes(self.used)} of the {format_bytes(self.limit)} {self.kind} "
+                f"({self.measure})")
+
+    def __str__(self) -> str:
+        return (f"{self.device}: {self.kind} {format_bytes(self.limit)} ({self.measure}), "
+                f"{format_bytes(self.used)} used, {format_bytes(self.available)} available")
+
+
+def budgets(device: str = "host") -> list[Budget]:
+    """Every budget known to be in force on ``device`` (``"host"`` or ``"cuda:N"``; other
+    devices have none known), tightest first. Reading takes microseconds and never
+    initialises a device.
+
+    >>> budgets("host")[-1].kind
+    'physical memory'
+    """
+    found: list[Budget] = []
+    if device == "host":
+        space = address_space_budget()
+        if space is not None:
+            found.append(Budget(device, space[0], space[1], space[2]))
+        group = cgroup_memory_budget()
+        if group is not None:
+            found.append(Budget(device, "cgroup memory.max", group[0], group[1]))
+        import psutil
+
+        vm = psutil.virtual_memory()
+        found.append(Budget(device, "physical memory", int(vm.total),
+                            int(vm.total) - int(vm.available)))
+    elif device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        cuda = torch_backend.cuda_budget(index)
+        if cuda is not None:
+            found.append(Budget(device, cuda[0], cuda[1], cuda[2]))
+    found.sort(key=lambda b: b.available)
+    return found
+
+
+def budget(device: str = "host") -> Optional[Budget]:
+    """The budget that binds on ``device`` (the least available), or ``None`` if none is
+    known.
+
+    >>> budget("host").available > 0
+    True
+    """
+    found = budgets(device)
+    return found[0] if found else None
+
+
+def available(device: str = "host") -> Optional[int]:
+    """Bytes ``device`` can still give this process under the budget that binds."""
+    found = budget(device)
+    return None if found is None else found.available
+
+
+def watched_devices() -> list[str]:
+    """The devices whose budgets matter now: the host, and each CUDA device once this process
+    has initialised CUDA."""
+    devices = ["host"]
+    if torch_backend.cuda_initialised():
+        devices += [f"cuda:{i}" for i in range(torch_backend.cuda_device_count())]
+    return devices
+
+
+def device_identity() -> str:
+    """The device a job's sizes are remembered for: the current CUDA device's name and total
+    memory once CUDA is initialised, else the host's processor and total memory.
+
+    >>> device_identity().startswith(("host", "cuda"))
+    True
+    """
+    cuda = torch_backend.available_cuda_device() if torch_backend.cuda_initialised() else None
+    if cuda is not None:
+        name = torch_backend.cuda_identity(int(cuda.partition(":")[2]))
+        if name is not None:
+            return f"cuda {name}"
+    import psutil
+
+    return f"host {platform.machine()} ({int(psutil.virtual_memory().total)} bytes)"

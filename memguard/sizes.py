@@ -1,0 +1,236 @@
+"""Working sizes: remembered in a file shared across processes and restarts, and predicted from
+what memory an attempt measured instead of guessed from a fixed factor.
+
+- :class:`SizeFile`: a JSON file of working sizes, keyed by the function's qualified name, the
+  start size and the device (name and total memory). Written atomically (a temporary file
+  renamed over it) under an advisory lock, so ranks and processes sharing it merge their
+  entries; a corrupt or unreadable file is a warning, never a crash.
+- :func:`size_after_oom`: the next size after an out-of-memory, from what the failed attempt
+  used and asked for against what the budget could give (``oom_retry(factor="auto")``).
+- :class:`MemoryFit`: memory = fixed + per-sample x size, fitted to measured peaks, and the
+  largest size a budget holds (``find_batch_size(mode="predict")``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import warnings
+from typing import Any, Optional, Union
+
+from .backends.budget import device_identity
+
+log = logging.getLogger("memguard")
+PathLike = Union[str, "os.PathLike[str]"]
+
+AUTO_MARGIN = 0.05
+"""The share of the available memory ``factor="auto"`` and ``mode="predict"`` leave unused."""
+AUTO_MAX, AUTO_MIN = 0.9, 0.25
+"""``factor="auto"`` moves to between ``size * AUTO_MIN`` and ``size * AUTO_MAX``."""
+
+
+def qualified_name(func: Any) -> str:
+    """``module.QualName`` of a function (or of a callable object's class).
+
+    >>> qualified_name(qualified_name)
+    'memguard.sizes.qualified_name'
+    """
+    target = getattr(func, "__func__", func)
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return f"{module}.{name}"
+
+
+def size_key(kind: str, func: Any, start: int, device: Optional[str] = None) -> str:
+    """The key a working size is kept under: who found it, for which function, from which
+    start, on which device (``device_identity()`` unless given).
+
+    >>> size_key("oom_retry", qualified_name, 64, "host x86_64 (1 bytes)")
+    'oom_retry memguard.sizes.qualified_name start=64 on host x86_64 (1 bytes)'
+    """
+    return f"{kind} {qualified_name(func)} start={start} on {device or device_identity()}"
+
+
+def check_path(value: Any, name: str = "cache") -> str:
+    """``value`` as a path string, or a ``TypeError`` that says what ``name`` takes."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise TypeError(f"{name} must be True, False or a file path (str or os.PathLike), got "
+                        f"{value!r} of type {type(value).__name__}") from None
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"{name} must be a non-empty file path, got {value!r}")
+    return path
+
+
+class SizeFile:
+    """Working sizes kept in a JSON file: ``{"memguard sizes": 1, "sizes": {key: size}}``.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "sizes.json")
+    >>> sizes = SizeFile(path)
+    >>> sizes.put("train start=256 on host", 48)
+    >>> SizeFile(path).get("train start=256 on host")
+    48
+    """
+
+    FORMAT = "memguard sizes"
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = check_path(path)
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        message = (f"memguard: cannot {what} the size cache {self.path!r} ({exc}); going on "
+                   f"without it. Delete or fix the file, or pass another path")
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        log.warning("%s", message)
+
+    def _read(self) -> dict[str, int]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            self._warn("read", exc)
+            return {}
+        try:
+            data = json.loads(text)
+            sizes = data["sizes"] if isinstance(data, dict) and self.FORMAT in data else None
+            if not isinstance(sizes, dict):
+                raise ValueError("not a memguard size file")
+            return {str(k): int(v) for k, v in sizes.items()
+                    if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+        except (ValueError, KeyError, TypeError) as exc:
+            self._warn("read", exc)
+            return {}
+
+    def get(self, key: str) -> Optional[int]:
+        """The size kept under ``key``, or ``None``."""
+        return self._read().get(key)
+
+    def put(self, key: str, size: int) -> None:
+        """Keep ``size`` under ``key``: read, merge and replace the file under a lock, so
+        entries other processes wrote meanwhile are kept."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        try:
+            with _FileLock(self.path + ".lock"):
+                sizes = self._read()
+                if sizes.get(key) == size:
+                    return
+                sizes[key] = size
+                handle, temporary = tempfile.mkstemp(prefix=".memguard-sizes-", dir=folder)
+                try:
+                    with os.fdopen(handle, "w", encoding="utf-8") as f:
+                        json.dump({self.FORMAT: 1, "sizes": sizes}, f, indent=1,
+                                  sort_keys=True)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(temporary, self.path)
+                except BaseException:
+                    try:
+                        os.unlink(temporary)
+                    except OSError:
+                        pass
+                    raise
+        except OSError as exc:
+            self._warn("write", exc)
+
+
+class _FileLock:
+    """An exclusive ``flock`` on ``path`` (created if missing); nothing where ``fcntl`` is
+    missing (the rename alone keeps the file whole there)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "_FileLock":
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def size_after_oom(size: int, need: Optional[int], available: Optional[int],
+                   margin: float = AUTO_MARGIN) -> Optional[int]:
+    """The next size after an out-of-memory at ``size``: the attempt needed at least ``need``
+    bytes (what it had taken when it failed plus what the failed allocation asked for)
+    where ``available`` bytes were free when it began, so at most ``available / need * size``
+    samples fit; less ``margin``, and between ``size * 0.25`` and ``size * 0.9``. ``None``
+    when either figure is unknown (the caller then halves).
+
+    >>> size_after_oom(512, need=1024 * 2**20, available=700 * 2**20)
+    332
+    >>> size_after_oom(512, need=600 * 2**20, available=700 * 2**20)  # never above size * 0.9
+    460
+    """
+    if need is None or available is None or need <= 0 or available <= 0:
+        return None
+    estimate = math.floor(size * available * (1 - margin) / need)
+    return max(1, min(math.floor(size * AUTO_MAX), max(math.ceil(size * AUTO_MIN), estimate)))
+
+
+class MemoryFit:
+    """Measured memory of trials at several sizes on one device, fitted as
+    ``memory = fixed + per_sample * size`` by least squares.
+
+    >>> fit = MemoryFit()
+    >>> for size in (1, 16, 200):
+    ...     fit.add(size, 10 * 2**20 + size * 2**20)
+    >>> round(fit.per_sample() / 2**20, 3), fit.largest(500 * 2**20, margin=0.0)
+    (1.0, 490)
+    """
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, int]] = []
+
+    def add(self, size: int, memory: int) -> None:
+        """Record that a trial at ``size`` took ``memory`` bytes at its peak."""
+        self.points.append((size, max(0, memory)))
+
+    def line(self) -> Optional[tuple[float, float]]:
+        """``(fixed, per_sample)``, or ``None`` with fewer than two sizes or no growth."""
+        sizes = {s for s, _ in self.points}
+        if len(sizes) < 2:
+            return None
+        n = len(self.points)
+        mean_s = sum(s for s, _ in self.points) / n
+        mean_m = sum(m for _, m in self.points) / n
+        var = sum((s - mean_s) ** 2 for s, _ in self.points)
+        slope = sum((s - mean_s) * (m - mean_m) for s, m in self.points) / var
+        if slope <= 0:
+            return None
+        return mean_m - slope * mean_s, slope
+
+    def per_sample(self) -> Optional[float]:
+        """Bytes per sample, or ``None`` when not known yet."""
+        line = self.line()
+        return None if line is None else line[1]
+
+    def spread(self) -> int:
+        """The largest measured memory less the smallest: how much the fit rests on."""
+        memories = [m for _, m in self.points]
+        return max(memories) - min(memories) if memories else 0
+
+    def largest(self, available: int, margin: float = AUTO_MARGIN) -> Optional[int]:
+        """The largest size whose fitted memory fits ``available`` less ``margin``."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, slope = line
+        return max(0, math.floor((available * (1 - margin) - max(0.0, fixed)) / slope))
