@@ -15,11 +15,11 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import batching, census, guards, microbatch, oom  # noqa: E402
+from benchmarks import batching, census, guards, integrations, microbatch, oom  # noqa: E402
 from benchmarks.common import ROOT, Result  # noqa: E402
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
-       + census.BENCHMARKS)
+       + census.BENCHMARKS + integrations.BENCHMARKS)
 
 
 def machine() -> dict:

@@ -26,7 +26,7 @@ from .scope import MemoryScope, memory_scope
 
 FEATURES, HIDDEN, CLASSES = 128, 2048, 10
 SAMPLES = 32768
-START_BATCH = 65536
+START_BATCH = SAMPLES  # the whole data set in one batch: too big for the default budget
 CREEP_TOLERANCE = 64 << 20
 # Errors that, under a tight budget, are a failed allocation in disguise: oneDNN (torch's CPU
 # kernels) reports scratch memory it could not get as a primitive it could not create.
@@ -167,6 +167,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         return loss
 
     ok = True
+    ceiling = _ceiling(flavour.limit_device, budget)
     with MemoryMonitor(interval=0.05) as monitor, memory_limit(budget, flavour.limit_device):
         for epoch in range(1, epochs + 1):
             epoch_number[0] = epoch
@@ -197,13 +198,27 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
           and len(scopes) == epochs)
     if plot:
         try:
-            monitor.plot(plot, title=f"memguard demo: {framework} on {flavour.device}")
+            monitor.plot(plot, title=f"memguard demo: {framework} on {flavour.device}",
+                         lines=ceiling)
             say(f"timeline written to {plot}")
         except ImportError as exc:
             say(f"no timeline: {exc}")
     say(f"{'everything held' if ok else 'something did not hold'} "
         f"({time.perf_counter() - started:.1f} s)")
     return 0 if ok else 1
+
+
+def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]:
+    """The budget as a horizontal line for the timeline: on the host, the resident set at
+    the start plus the budget (the limit is on address space, which the resident set cannot
+    outgrow); on CUDA, the budget itself."""
+    from .snapshot import snapshot
+
+    if limit_device == "host":
+        start = snapshot(["host"])["host"].reserved or 0
+        return {"host": [(start + budget, f"budget: start + {format_bytes(budget)}")]}
+    devices = [d for d in snapshot().devices if d.startswith("cuda")]
+    return {devices[0]: [(budget, f"budget {format_bytes(budget)}")]} if devices else {}
 
 
 def _creep(scopes: list[MemoryScope]) -> dict[str, int]:

@@ -13,6 +13,8 @@ from ._locks import ForkSafeLock
 from .backends import DeviceMemory, Devices, resolve_devices
 from .cleanup import Pairs, read_all
 
+MAX_LISTED_MARKS = 40  # marks listed beside a plot; later ones are counted
+
 
 class MemoryMonitor:
     """Samples every watched device every ``interval`` seconds on a daemon thread.
@@ -176,9 +178,13 @@ class MemoryMonitor:
                             lines[field].append((t - start, value))
         return out
 
-    def plot(self, path: str, title: Optional[str] = None) -> str:
-        """Write a PNG of allocated and reserved memory per device over time, the marks as
-        vertical lines. Needs matplotlib (``pip install "memguard[plot]"``)."""
+    def plot(self, path: str, title: Optional[str] = None,
+             lines: Optional[dict[str, list[tuple[int, str]]]] = None) -> str:
+        """Write a PNG of allocated and reserved memory per device over time. Marks are
+        numbered vertical lines, listed with their times beside the plot (labels of marks
+        close together would overlap); ``lines`` draws horizontal lines per device
+        (``{"host": [(bytes, "budget")]}``). Needs matplotlib (``pip install
+        "memguard[plot]"``)."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
@@ -186,26 +192,43 @@ class MemoryMonitor:
             raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
                               ) from exc
         series = self.series()
+        lines = lines or {}
         # A Figure with its own Agg canvas: pyplot's global state and the program's chosen
         # backend stay as they are.
-        fig = Figure(figsize=(10, 3.2 * max(1, len(series))))
+        fig = Figure(figsize=(12, 3.4 * max(1, len(series))))
         FigureCanvasAgg(fig)
         axes = fig.subplots(len(series) or 1, 1, squeeze=False)
         start = self.started or 0.0
-        for ax, (device, lines) in zip(axes[:, 0], series.items()):
+        marks = [(t - start, label) for t, label in self.marks]
+        for ax, (device, found) in zip(axes[:, 0], series.items()):
             for field, style in (("allocated", "-"), ("reserved", "--")):
-                if lines[field]:
-                    xs, ys = zip(*lines[field])
+                if found[field]:
+                    xs, ys = zip(*found[field])
                     ax.plot(xs, [y / 2**20 for y in ys], style, label=field)
-            for t, label in self.marks:
-                ax.axvline(t - start, color="grey", linewidth=0.6, alpha=0.6)
-                ax.text(t - start, ax.get_ylim()[1], label, rotation=90, fontsize=6,
-                        va="top", ha="right", color="grey")
+            for level, label in lines.get(device, []):
+                ax.axhline(level / 2**20, color="tab:red", linewidth=1.2, linestyle=":",
+                           label=label)
+            top = ax.get_ylim()[1]
+            for number, (t, _) in enumerate(marks, 1):
+                ax.axvline(t, color="grey", linewidth=0.6, alpha=0.5)
+                # Staggered in three rows, so neighbouring numbers do not collide.
+                ax.text(t, top * (0.98 - 0.07 * ((number - 1) % 3)), str(number), fontsize=7,
+                        ha="center", va="top", color="dimgrey",
+                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
             ax.set_ylabel(f"{device} (MiB)")
-            ax.legend(loc="upper left", fontsize=8)
+            ax.legend(loc="lower right", fontsize=8)
         axes[-1, 0].set_xlabel("seconds")
         fig.suptitle(title or "memguard memory timeline")
-        fig.tight_layout()
+        if marks:
+            shown = marks[:MAX_LISTED_MARKS]
+            text = "\n".join(f"{n:>2}  {t:6.1f} s  {label[:38]}"
+                              for n, (t, label) in enumerate(shown, 1))
+            if len(marks) > len(shown):
+                text += f"\n... {len(marks) - len(shown)} more"
+            fig.text(0.735, 0.9, "marks\n" + text, fontsize=7, family="monospace", va="top")
+            fig.tight_layout(rect=(0, 0, 0.72, 1))
+        else:
+            fig.tight_layout()
         fig.savefig(path, dpi=100)
         return path
 

@@ -26,7 +26,8 @@ from .distributed import FAILED, OK, OOM, Agreement, Sync
 from .backends import torch_state
 from .backends.budget import available as budget_available
 from .backends.budget import watched_devices
-from .errors import MemguardError, OutOfMemoryError, oom_device, oom_kind, requested_bytes
+from .errors import (OOM_MESSAGES, MemguardError, OutOfMemoryError, oom_device, oom_kind,
+                     requested_bytes)
 from .history import dump, start_recording, stop_recording
 from .sizes import SizeFile, check_path, size_after_oom, size_key
 from .snapshot import MemorySnapshot, snapshot
@@ -91,11 +92,15 @@ def memory_summary(snap: Optional[MemorySnapshot]) -> str:
 
 
 def error_text(exc: BaseException) -> str:
-    """The out-of-memory's kind and the first line of its message, shortened."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if len(first) > 160:
-        first = first[:157] + "..."
-    return f"out of memory ({oom_kind(exc)}): {first}"
+    """The out-of-memory's kind and the line of its message that says what ran out (Keras
+    puts "Graph execution error:" first and the allocation's shape further down), else its
+    first line, shortened."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    line = next((line for line in lines if any(needle in line for _, needle in OOM_MESSAGES)),
+                lines[0] if lines else type(exc).__name__)
+    if len(line) > 240:
+        line = line[:237] + "..."
+    return f"out of memory ({oom_kind(exc)}): {line}"
 
 
 def check_size(value: Any, name: str) -> int:

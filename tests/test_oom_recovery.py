@@ -198,3 +198,37 @@ def test_tensorflow_eager_and_tf_function(python_in_subprocess):
     for name in ("eager", "graph"):
         assert out[name]["value"] == 4 and out[name]["sizes"] == [8, 4], out
         assert "TensorFlow allocator" in out[name]["error"]
+
+
+def test_keras_fit_retry_keeps_the_line_that_names_the_allocation(python_in_subprocess):
+    """Keras raises "Graph execution error:" first and the allocation's shape lines later:
+    the attempt's error text must be the line that says what ran out."""
+    out = python_in_subprocess(script("""
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+        import numpy as np, keras, memguard
+        model = keras.Sequential([keras.Input((256,)),
+                                  keras.layers.Dense(8192, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.rand(8192, 256).astype("float32")
+        y = np.random.rand(8192, 1).astype("float32")
+        model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+        memguard.free_memory()
+        set_budget(400)
+        firsts = []
+
+        @memguard.oom_retry(batch_size=8192)
+        def train(batch_size):
+            try:
+                model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+            except Exception as exc:
+                firsts.append(str(exc).strip().splitlines()[0])
+                raise
+            return batch_size
+
+        print(json.dumps({"size": train(), "firsts": firsts,
+                          "errors": [a.error for a in train.history if not a.ok]}))
+    """), env=ENV, timeout=300)
+    assert out["size"] < 8192 and out["errors"]
+    assert "Graph execution error" in out["firsts"][0]  # what the first line says
+    assert "OOM when allocating tensor with shape[" in out["errors"][0]

@@ -10,6 +10,7 @@ backend.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -219,3 +220,57 @@ def device_overview() -> list[dict[str, Any]]:
 def version() -> str:
     """The installed tensorflow's version (imports it)."""
     return str(_tf().__version__)
+
+
+DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-rocm",
+                 "tensorflow-macos", "tf-nightly", "tf-nightly-cpu")
+
+
+def installed_version() -> Optional[str]:
+    """The installed TensorFlow's version from its package metadata, without importing it
+    (``None`` when no known distribution is installed)."""
+    from importlib import metadata
+
+    for name in DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def gpus_possible() -> bool:
+    """Whether TensorFlow could see a GPU here: an NVIDIA driver (``/proc/driver/nvidia``),
+    ROCm (``/dev/kfd``) or macOS (Metal). Where none is, listing TensorFlow's GPUs needs no
+    import: the list is empty.
+
+    >>> isinstance(gpus_possible(), bool)
+    True
+    """
+    return (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd")
+            or sys.platform == "darwin")
+
+
+def import_quietly() -> Any:
+    """Import TensorFlow (once: later calls return the module) without its start-up lines on
+    the terminal: two of its libraries each print oneDNN's banner to the process's stderr
+    before TensorFlow's logging exists, so ``TF_CPP_MIN_LOG_LEVEL`` alone does not hide it.
+    Sets ``TF_CPP_MIN_LOG_LEVEL=2`` unless it is set, and points file descriptor 2 at
+    ``/dev/null`` while the libraries load; a Python exception still propagates.
+
+    >>> import_quietly().__name__  # doctest: +SKIP
+    'tensorflow'
+    """
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"]
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        import tensorflow as tf
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    return tf

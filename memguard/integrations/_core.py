@@ -1,0 +1,235 @@
+"""What the three callbacks share, free of any framework: an epoch (or validation run) is a
+``memory_scope``; its end gives the metrics each callback hands to its framework's channel.
+
+Names of the metrics: ``memory/<device>/peak``, ``memory/<device>/retained`` and
+``memory/<device>/allocated`` in MiB for a training epoch, ``val_memory/<device>/...`` for a
+validation run, ``memory/<device>/step_allocated`` and ``.../step_reserved`` for the
+step-level readings of ``log_every_n_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+from .._units import Size, parse_optional_size
+from ..backends import Backend, resolve_devices
+from ..errors import MemoryLeakError, is_oom_error
+from ..retry import Attempt, memory_summary
+from ..scope import MemoryScope, memory_scope
+from ..snapshot import MemorySnapshot, snapshot
+
+log = logging.getLogger("memguard")
+MiB = float(1 << 20)
+TRAIN, VAL = "train", "val"
+PREFIX = {TRAIN: "memory", VAL: "val_memory"}
+
+
+def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
+                  log_every_n_steps: Any) -> tuple[Optional[int], bool, Union[bool, str],
+                                                   Optional[int]]:
+    """The callbacks' parameters, checked; each wrong value is a ``ValueError`` or
+    ``TypeError`` that names it.
+
+    >>> check_options("64MiB", False, True, None)
+    (67108864, False, True, None)
+    """
+    limit = parse_optional_size(max_leak, "max_leak")
+    if not isinstance(track_tensors, bool):
+        raise TypeError(f"MemguardCallback: track_tensors must be True or False, got "
+                        f"{track_tensors!r}")
+    if cleanup not in (True, False, "auto", "always") or isinstance(cleanup, int) and \
+            not isinstance(cleanup, bool):
+        raise ValueError(f"MemguardCallback: cleanup must be True, False, 'auto' or 'always', "
+                         f"got {cleanup!r}")
+    if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool)
+                                          or not isinstance(log_every_n_steps, int)
+                                          or log_every_n_steps < 1):
+        raise ValueError(f"MemguardCallback: log_every_n_steps must be None or a positive int, "
+                         f"got {log_every_n_steps!r}")
+    return limit, track_tensors, cleanup, log_every_n_steps
+
+
+class Tracker:
+    """The scopes of one callback: the open ones by kind (``"train"``, ``"val"``), how many of
+    each kind ended (the first is the warm-up, judged by no ``max_leak``), the last step seen
+    and the failures recorded.
+
+    >>> tracker = Tracker("demo", None, False, True, None)
+    >>> tracker.begin("train")
+    >>> sorted(tracker.end("train")[0])[:1]
+    ['memory/host/allocated']
+    """
+
+    def __init__(self, framework: str, max_leak: Optional[Size], track_tensors: bool,
+                 cleanup: Union[bool, str], log_every_n_steps: Optional[int]) -> None:
+        (self.max_leak, self.track_tensors, self.cleanup,
+         self.log_every_n_steps) = check_options(max_leak, track_tensors, cleanup,
+                                                 log_every_n_steps)
+        self.framework = framework
+        self.open: dict[str, MemoryScope] = {}
+        self.ended: dict[str, int] = {TRAIN: 0, VAL: 0}
+        self.scopes: list[MemoryScope] = []  # every closed scope, in order
+        self.failures: list[dict[str, Any]] = []
+        self.step: Optional[int] = None
+        self.batch_size: Optional[int] = None
+        self._failed = False  # a failure logged since the last begin of a run
+        self._pairs: list[tuple[Backend, str]] = []
+
+    # -- scopes --------------------------------------------------------------------------------
+    def begin(self, kind: str) -> None:
+        """Open the scope of a training epoch or a validation run."""
+        stale = self.open.pop(kind, None)
+        if stale is not None:  # its end never came (an exception elsewhere): close it quietly
+            self._close_quietly(stale)
+        warm = self.ended[kind] >= 1
+        number = self.ended[kind] + 1
+        name = f"{self.framework} {'epoch' if kind == TRAIN else 'validation'} {number}"
+        scope = memory_scope(name, cleanup=self.cleanup, track_tensors=self.track_tensors,
+                             max_leak=self.max_leak if warm else None)
+        scope.__enter__()
+        self.open[kind] = scope
+        if not self._pairs:
+            self._pairs = resolve_devices(None)
+
+    def end(self, kind: str) -> tuple[dict[str, float], Optional[MemoryLeakError]]:
+        """Close the scope of ``kind``: its metrics, and the leak error to raise once they are
+        logged (``None`` without one)."""
+        scope = self.open.pop(kind, None)
+        if scope is None:
+            return {}, None
+        error: Optional[MemoryLeakError] = None
+        try:
+            scope.__exit__(None, None, None)
+        except MemoryLeakError as exc:
+            error = exc
+        self.ended[kind] += 1
+        self.scopes.append(scope)
+        return metrics_of(scope, PREFIX[kind]), error
+
+    def _close_quietly(self, scope: MemoryScope) -> None:
+        scope.max_leak = None  # a run that failed is not judged
+        try:
+            scope.__exit__(None, None, None)
+        except Exception as exc:  # noqa: BLE001 - closing after a failure must not fail
+            log.warning("closing %s after a failure failed: %s", scope.name, exc)
+
+    def close_all(self) -> None:
+        """Close every open scope unjudged (a failed run)."""
+        while self.open:
+            self._close_quietly(self.open.popitem()[1])
+
+    # -- steps ---------------------------------------------------------------------------------
+    def step_due(self, step: int) -> bool:
+        """Whether ``log_every_n_steps`` asks for a reading at ``step``."""
+        self.step = step
+        n = self.log_every_n_steps
+        return n is not None and step % n == 0
+
+    def step_metrics(self) -> dict[str, float]:
+        """The cheap readings (``allocated``, ``reserved``: microseconds each), in MiB."""
+        if not self._pairs:
+            self._pairs = resolve_devices(None)
+        out: dict[str, float] = {}
+        for backend, device in self._pairs:
+            try:
+                allocated, reserved = backend.read_fast(device)
+            except Exception:  # noqa: BLE001 - a reading never breaks training
+                continue
+            if allocated is not None:
+                out[f"memory/{device}/step_allocated"] = allocated / MiB
+            if reserved is not None:
+                out[f"memory/{device}/step_reserved"] = reserved / MiB
+        return out
+
+    # -- failures ------------------------------------------------------------------------------
+    def start_run(self) -> None:
+        """A new ``fit``/``train`` starts: close what a failed one left open, and start the
+        warm-up again (a retry runs at another batch size)."""
+        if self.open:
+            log.warning("%s: the previous run ended inside %s without reaching its end (an "
+                        "exception); its measurements are dropped", self.framework,
+                        ", ".join(s.name or "" for s in self.open.values()))
+            self.close_all()
+        self.ended = {TRAIN: 0, VAL: 0}
+        self._failed = False
+
+    def failed(self, exc: Optional[BaseException], *, step: Optional[int] = None,
+               batch_size: Optional[int] = None, memory: Optional[MemorySnapshot] = None,
+               error: Optional[str] = None) -> Optional[dict[str, Any]]:
+        """Record an out-of-memory (``exc``, or an ``oom_retry`` failure described by
+        ``error``): log it at WARNING with the memory at the failure, the batch size and the
+        step, close the open scopes unjudged and start the warm-up again. Returns the record,
+        or ``None`` when ``exc`` is not an out-of-memory (then only the scopes are closed)."""
+        oom = exc is None or is_oom_error(exc)
+        self.close_all()
+        self.ended = {TRAIN: 0, VAL: 0}
+        if not oom:
+            return None
+        if memory is None:
+            try:
+                memory = snapshot()
+            except Exception:  # noqa: BLE001
+                memory = None
+        step = self.step if step is None else step
+        batch_size = self.batch_size if batch_size is None else batch_size
+        text = error if error is not None else _first_line(exc)
+        record = {"step": step, "batch_size": batch_size, "error": text,
+                  "memory": memory.to_dict() if memory is not None else None}
+        self.failures.append(record)
+        self._failed = True
+        log.warning("%s: out of memory during fit at step %s, batch_size=%s (%s); memory at "
+                    "the failure: %s", self.framework, _unknown(step), _unknown(batch_size),
+                    text, memory_summary(memory))
+        return record
+
+    def on_retry(self, attempt: Attempt) -> None:
+        """For ``oom_retry(on_retry=callback.on_retry)``: log the failure (unless the callback
+        saw it already) with the attempt's memory at the failure and batch size, and leave the
+        callback ready for the next attempt."""
+        if self._failed:
+            self._failed = False
+            self.close_all()
+            return
+        self.failed(None, batch_size=attempt.batch_size, memory=attempt.memory,
+                    error=attempt.error or "out of memory")
+        self._failed = False
+
+
+def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
+    """``{"memory/host/peak": MiB, "memory/host/retained": MiB, "memory/host/allocated":
+    MiB, ...}`` of a closed scope; a device whose figure is unknown is left out."""
+    out: dict[str, float] = {}
+    for device, peak in scope.peak.items():
+        if peak is not None:
+            out[f"{prefix}/{device}/peak"] = peak / MiB
+    for device, kept in scope.retained.items():
+        out[f"{prefix}/{device}/retained"] = kept / MiB
+    if scope.after is not None:
+        for device, mem in scope.after.devices.items():
+            if mem.allocated is not None:
+                out[f"{prefix}/{device}/allocated"] = mem.allocated / MiB
+    return dict(sorted(out.items()))
+
+
+def _first_line(exc: Optional[BaseException]) -> str:
+    if exc is None:
+        return "out of memory"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:  # the line that states the allocation, where the first does not
+        if "OOM when allocating" in line or "can't allocate memory" in line:
+            return f"{type(exc).__name__}: {line[:200]}"
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _unknown(value: Any) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def missing(package: str, extra: str, what: str) -> ImportError:
+    """The ``ImportError`` of an integration whose framework is not installed."""
+    return ImportError(f"memguard.integrations.{extra} needs {what}, which is not installed: "
+                       f'pip install "memguard[{extra}]" (or pip install {package})')
+
+
+__all__ = ["Tracker", "check_options", "metrics_of", "missing"]

@@ -1,0 +1,108 @@
+"""``MemguardCallback`` for Keras ``fit`` (``pip install "memguard[keras]"``).
+
+>>> import keras                                                     # doctest: +SKIP
+>>> from memguard.integrations.keras import MemguardCallback         # doctest: +SKIP
+>>> model.fit(x, y, callbacks=[MemguardCallback(), keras.callbacks.TensorBoard()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from .._units import Size
+from ..retry import Attempt
+from ..scope import MemoryScope
+from ._core import TRAIN, VAL, Tracker, missing
+
+try:
+    import keras as _keras
+except ImportError:
+    raise missing("keras", "keras", "Keras") from None
+
+
+class MemguardCallback(_keras.callbacks.Callback):
+    """Memory of every training epoch and validation run, added to the epoch's ``logs`` (so
+    ``History.history`` and Keras's ``TensorBoard`` callback get it: list this callback before
+    ``TensorBoard``).
+
+    Each training epoch and each evaluation is a :func:`memguard.memory_scope`; at its end
+    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB) are added to the
+    epoch's logs, and a validation run's as ``val_memory/<device>/...`` (a bare
+    ``evaluate()`` returns a copy of its logs that callbacks cannot reach: its figures are in
+    ``scopes``).
+    ``log_every_n_steps`` adds ``memory/<device>/step_allocated`` and ``step_reserved`` to
+    every N-th batch's logs (readings that cost microseconds). ``max_leak`` (bytes or
+    ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch that retains
+    more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked tensors and their
+    holders with ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end
+    (``True``: ``"auto"``; ``"always"``; ``False``: measure only).
+
+    Keras tells its callbacks nothing about an exception: pass ``on_retry=callback.on_retry``
+    to the ``oom_retry`` around ``fit``, and an out-of-memory is logged at WARNING on the
+    ``memguard`` logger with the memory at the failure, the batch size and the last step
+    (also kept in ``failures``). Without it, the next ``fit`` closes what the failed one left
+    open. On a CPU under a host memory budget, TensorFlow's ``fit`` on numpy arrays often
+    aborts the process instead of raising: feed a ``tf.data.Dataset``.
+
+    >>> from memguard.integrations.keras import MemguardCallback
+    >>> MemguardCallback(log_every_n_steps=100).failures
+    []
+    """
+
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Union[bool, str] = True,
+                 log_every_n_steps: Optional[int] = None) -> None:
+        super().__init__()
+        self._tracker = Tracker("keras", max_leak, track_tensors, cleanup, log_every_n_steps)
+        self._steps = 0
+        self._validation: dict[str, float] = {}  # the last validation run's, for the epoch
+
+    @property
+    def scopes(self) -> list[MemoryScope]:
+        """Every finished epoch's and validation run's scope, in order."""
+        return self._tracker.scopes
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
+        return self._tracker.failures
+
+    def on_retry(self, attempt: Attempt) -> None:
+        """``oom_retry(on_retry=callback.on_retry)``: log the failure, ready for the next
+        attempt."""
+        self._tracker.on_retry(attempt)
+
+    # -- Keras's hooks -------------------------------------------------------------------------
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._tracker.start_run()
+        self._steps = 0
+        self._tracker.step = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._validation = {}
+        self._tracker.begin(TRAIN)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        metrics, error = self._tracker.end(TRAIN)
+        if logs is not None:  # the dict every later callback (History last) receives
+            logs.update(self._validation)
+            logs.update(metrics)
+        self._validation = {}
+        if error is not None:
+            raise error
+
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        self._tracker.begin(VAL)
+
+    def on_test_end(self, logs: Optional[dict] = None) -> None:
+        metrics, error = self._tracker.end(VAL)
+        # Keras hands callbacks a copy of evaluate()'s logs: during fit the figures go into
+        # the epoch's logs at its end; after a bare evaluate() they are in ``scopes``.
+        self._validation = metrics
+        if error is not None:
+            raise error
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self._steps += 1
+        if self._tracker.step_due(self._steps) and logs is not None:
+            logs.update(self._tracker.step_metrics())

@@ -1,0 +1,136 @@
+"""``MemguardCallback`` for the Hugging Face ``Trainer`` (``pip install
+"memguard[transformers]"``).
+
+>>> from transformers import Trainer                                        # doctest: +SKIP
+>>> from memguard.integrations.transformers import MemguardCallback         # doctest: +SKIP
+>>> trainer = Trainer(model, args, train_dataset=data, callbacks=[MemguardCallback()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Optional, Union
+
+from .._units import Size
+from ..retry import Attempt
+from ..scope import MemoryScope
+from ._core import TRAIN, VAL, Tracker, missing
+
+try:
+    import transformers as _transformers
+    from transformers import TrainerCallback as _TrainerCallback
+except ImportError:
+    raise missing("transformers", "transformers", "Hugging Face transformers") from None
+
+
+class MemguardCallback(_TrainerCallback):
+    """Memory of every training epoch and evaluation, logged into the trainer's
+    ``state.log_history`` and its reporters (TensorBoard, W&B, ...), as ``Trainer.log`` does.
+
+    Each training epoch and each evaluation is a :func:`memguard.memory_scope`; at its end
+    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB;
+    ``val_memory/...`` for an evaluation, also added to the metrics ``evaluate()`` returns)
+    are logged. ``log_every_n_steps`` adds ``memory/<device>/step_allocated`` and
+    ``step_reserved`` every N optimizer steps (readings that cost microseconds). ``max_leak``
+    (bytes or ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch
+    that retains more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked
+    tensors and their holders with ``track_tensors=True``. ``cleanup`` is the scope's policy
+    at each epoch's end (``True``: ``"auto"``; ``"always"``; ``False``: measure only).
+
+    The ``Trainer`` tells its callbacks nothing about an exception: pass
+    ``on_retry=callback.on_retry`` to the ``oom_retry`` around ``train``, and an
+    out-of-memory is logged at WARNING on the ``memguard`` logger with the memory at the
+    failure, the batch size and the last step (also kept in ``failures``), and the callback is
+    ready for the next attempt. Without it, the next ``train`` closes what the failed one
+    left open and starts the warm-up again. ``scopes`` holds every finished scope.
+
+    >>> from memguard.integrations.transformers import MemguardCallback
+    >>> callback = MemguardCallback(max_leak="256MiB")
+    >>> callback.failures
+    []
+    """
+
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Union[bool, str] = True,
+                 log_every_n_steps: Optional[int] = None) -> None:
+        self._tracker = Tracker("transformers", max_leak, track_tensors, cleanup,
+                                log_every_n_steps)
+        self._trainer: Optional[weakref.ReferenceType] = None
+
+    @property
+    def scopes(self) -> list[MemoryScope]:
+        """Every finished epoch's and evaluation's scope, in order."""
+        return self._tracker.scopes
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
+        return self._tracker.failures
+
+    def on_retry(self, attempt: Attempt) -> None:
+        """``oom_retry(on_retry=callback.on_retry)``: log the failure, ready for the next
+        attempt."""
+        self._tracker.on_retry(attempt)
+
+    # -- the Trainer's events ------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._tracker.start_run()
+        self._tracker.step = state.global_step
+        self._tracker.batch_size = args.per_device_train_batch_size
+        trainer = _calling_trainer()
+        self._trainer = None if trainer is None else weakref.ref(trainer)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._tracker.begin(TRAIN)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        metrics, error = self._tracker.end(TRAIN)
+        self._log(state, metrics)
+        if error is not None:
+            raise error
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._tracker.step_due(state.global_step):
+            self._log(state, self._tracker.step_metrics())
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if VAL not in self._tracker.open:
+            self._tracker.begin(VAL)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
+                    **kwargs: Any) -> None:
+        found, error = self._tracker.end(VAL)
+        if isinstance(metrics, dict):
+            metrics.update(found)  # what evaluate() returns
+        self._log(state, found)
+        if error is not None:
+            raise error
+
+    def on_predict(self, args: Any, state: Any, control: Any, metrics: Any = None,
+                   **kwargs: Any) -> None:
+        self._tracker.end(VAL)  # a prediction run is not a validation: measured, not logged
+
+    def _log(self, state: Any, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None:
+            trainer.log(dict(metrics))  # log_history and every reporter
+        else:
+            state.log_history.append({**metrics, "epoch": state.epoch,
+                                      "step": state.global_step})
+
+
+def _calling_trainer() -> Optional[Any]:
+    """The ``Trainer`` whose method runs the callbacks (the Trainer does not hand itself to
+    them): the first frame up the stack whose ``self`` is one; ``None`` if none is."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _transformers.Trainer):
+            return owner
+        frame = frame.f_back
+    return None

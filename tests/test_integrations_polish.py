@@ -1,0 +1,62 @@
+"""Polish found while building the integrations: `memguard info` and TensorFlow, the demo's
+start and its timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import memguard
+from memguard import demo
+from memguard.backends import tensorflow as tf_backend
+
+
+def test_the_demo_starts_at_a_batch_no_larger_than_its_data():
+    assert demo.START_BATCH <= demo.SAMPLES
+
+
+def test_the_timeline_draws_horizontal_lines_and_numbered_marks(tmp_path):
+    pytest.importorskip("matplotlib")
+    with memguard.MemoryMonitor(interval=0.01) as monitor:
+        for i in range(30):  # crowded marks: listed beside the plot, not stacked on it
+            monitor.mark(f"mark {i}")
+        block = bytearray(20 << 20)
+        del block
+    path = monitor.plot(str(tmp_path / "t.png"), lines={"host": [(1 << 30, "budget")]})
+    from matplotlib.image import imread
+
+    image = imread(path)
+    assert image.shape[1] == 1200  # 12 in at 100 dpi: room for the list of marks
+
+
+@pytest.mark.slow
+def test_info_knows_tensorflow_without_importing_it_where_no_gpu_driver_is():
+    if tf_backend.installed_version() is None:
+        pytest.skip("TensorFlow is not installed")
+    code = ("import json, sys\nfrom memguard.cli import collect_info\n"
+            "data = collect_info()\n"
+            "print(json.dumps([data['frameworks'].get('tensorflow'), "
+            "'tensorflow' in sys.modules, tf_possible()]))\n").replace(
+        "tf_possible()", "__import__('memguard.backends.tensorflow', fromlist=['x'])"
+                         ".gpus_possible()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
+    version, imported, possible = json.loads(out.stdout.splitlines()[-1])
+    assert version.startswith("2.")
+    assert imported == possible  # imported only where a GPU could be listed
+    assert "oneDNN" not in out.stderr
+
+
+@pytest.mark.slow
+def test_tensorflow_is_imported_once_without_its_banner():
+    code = ("from memguard.backends.tensorflow import import_quietly\n"
+            "tf = import_quietly()\nassert import_quietly() is tf\n"
+            "import sys; print(tf.__version__, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
+    assert out.returncode == 0, out.stderr
+    assert "oneDNN" not in out.stderr and out.stderr.strip().startswith("2.")

@@ -1,0 +1,102 @@
+"""map_batches over what people hold: a torch Dataset, a DataLoader, any iterable of batches;
+its retries visible on the result's .history and through on_retry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import memguard
+from memguard.batching import BatchResults
+
+HUGE = 1 << 42  # float32 elements: 16 TiB, a real DefaultCPUAllocator failure
+
+
+def oom_above(limit: int, length: int) -> None:
+    if length > limit:
+        torch.empty(HUGE)
+
+
+def test_a_tensor_dataset_is_collated_into_tuples_of_stacked_tensors():
+    x, y = torch.arange(10.0).unsqueeze(1).repeat(1, 3), torch.arange(10)
+    seen = []
+
+    def fn(batch):
+        xs, ys = batch
+        seen.append((type(batch).__name__, tuple(xs.shape), tuple(ys.shape)))
+        return xs.sum(dim=1) + ys
+
+    out = memguard.map_batches(fn, TensorDataset(x, y), batch_size=4, collate=torch.cat)
+    assert seen[0][0] in ("tuple", "list") and [s[1:] for s in seen] == [
+        ((4, 3), (4,)), ((4, 3), (4,)), ((2, 3), (2,))]
+    assert torch.equal(out, x.sum(dim=1) + y)
+
+
+def test_a_dataset_of_dicts_shrinks_on_a_real_oom_and_records_it():
+    class Tokens(Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return {"ids": torch.full((5,), i), "label": i}
+
+    retries = []
+
+    def fn(batch):
+        oom_above(3, len(batch["ids"]))
+        return batch["label"].tolist()
+
+    out = memguard.map_batches(fn, Tokens(), batch_size=8, on_retry=retries.append)
+    assert sum(out, []) == list(range(12))
+    assert [len(r) for r in out] == [2, 2, 2, 2, 2, 2]  # 8 fails, 4 fails, then 2 from there
+    assert isinstance(out, BatchResults)
+    assert [(a.batch_size, a.ok) for a in out.history] == [(8, False), (4, False), (2, True)]
+    assert "DefaultCPUAllocator" in out.history[0].error and out.history[0].memory is not None
+    assert [a.batch_size for a in retries] == [8, 4]
+
+
+def test_a_dataloader_batch_is_passed_as_is_and_split_element_wise_on_oom():
+    data = TensorDataset(torch.arange(20.0), torch.arange(20) * 2)
+    loader = DataLoader(data, batch_size=8)
+    seen = []
+
+    def fn(batch):
+        xs, ys = batch
+        seen.append(len(xs))
+        assert len(ys) == len(xs)
+        oom_above(4, len(xs))
+        return xs + ys
+
+    out = memguard.map_batches(fn, loader, collate=torch.cat)
+    assert torch.equal(out, torch.arange(20.0) * 3)
+    # batch 0: 8 fails, 4 + 4; batch 1 goes on at 4; the last batch (4 items) as it is
+    assert seen == [8, 4, 4, 4, 4, 4]
+
+
+def test_any_iterable_of_batches_keeps_finished_results_on_partial():
+    def batches():
+        yield torch.arange(4)
+        yield torch.arange(4, 8)
+        yield {"x": torch.arange(8, 12)}
+
+    def fn(batch):
+        if isinstance(batch, dict):
+            torch.empty(HUGE)  # fails at every size
+        return batch.tolist()
+
+    with pytest.raises(memguard.OutOfMemoryError, match="item 0 of batch 2") as info:
+        memguard.map_batches(fn, batches(), min_batch_size=2)
+    assert info.value.partial == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [a.batch_size for a in info.value.attempts] == [4, 2]
+
+
+def test_an_iterable_batch_is_cut_to_batch_size_and_a_sequence_needs_one():
+    out = memguard.map_batches(len, iter([list(range(10))]), batch_size=4)
+    assert out == [4, 4, 2] and out.history == []
+    with pytest.raises(TypeError, match="needs batch_size=... for a TensorDataset"):
+        memguard.map_batches(len, TensorDataset(torch.arange(3)))
+    with pytest.raises(TypeError, match="on_retry must be callable, got 3"):
+        memguard.map_batches(len, [1], batch_size=1, on_retry=3)
+    with pytest.raises(TypeError, match="iterable of batches .* got int"):
+        memguard.map_batches(len, 5, batch_size=1)
