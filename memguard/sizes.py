@@ -13,11 +13,9 @@ what memory an attempt measured instead of guessed from a fixed factor.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import tempfile
 import warnings
 from typing import Any, Optional, Union
 
@@ -97,6 +95,8 @@ class SizeFile:
         except OSError as exc:
             self._warn("read", exc)
             return {}
+        import json
+
         try:
             data = json.loads(text)
             sizes = data["sizes"] if isinstance(data, dict) and self.FORMAT in data else None
@@ -122,6 +122,9 @@ class SizeFile:
                 if sizes.get(key) == size:
                     return
                 sizes[key] = size
+                import json
+                import tempfile
+
                 handle, temporary = tempfile.mkstemp(prefix=".memguard-sizes-", dir=folder)
                 try:
                     with os.fdopen(handle, "w", encoding="utf-8") as f:

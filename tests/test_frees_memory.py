@@ -115,7 +115,7 @@ def test_auto_policy_backs_off_when_collections_free_nothing():
 def test_max_leak_raises_after_cleanup():
     kept = []
 
-    @memguard.frees_memory(max_leak="32MiB")
+    @memguard.frees_memory(max_leak="32MiB", warmup=0)
     def leaky():
         kept.append(torch.ones(100 * MiB // 4))
 

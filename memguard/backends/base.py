@@ -55,15 +55,28 @@ class Backend:
     Subclasses implement every method; none may initialise a device just to look at it.
     ``hold_tolerance`` is the growth in ``allocated`` that counts as "still held" for the
     automatic cleanup policy, ``reserve_tolerance`` the growth of unused cache that is worth
-    emptying without a garbage collection. ``level_field`` says which reading scopes use for
-    ``retained``: ``allocated`` (0) on devices, the resident set (1) on the host.
+    emptying without a garbage collection. ``level_field`` says which reading a device's
+    peak counter follows: ``allocated`` (0) on devices, the resident set (1) on the host.
+    Leak verdicts (``retained``, ``max_leak``) are always on :meth:`in_use`.
     """
 
     name: str = "?"
     hold_tolerance: int = 1 << 20
     reserve_tolerance: int = 64 << 20
     level_field: int = 0
-    """Which of ``(allocated, reserved)`` scopes report peaks and retention on."""
+    """Which of ``(allocated, reserved)`` a device's peak counter follows."""
+
+    @staticmethod
+    def in_use(reading: Reading) -> Optional[int]:
+        """The bytes a reading says the allocator has handed out, which leak verdicts are
+        taken on: ``allocated`` (glibc's ``mallinfo2`` on the host, the caching allocator's
+        ``allocated`` on a GPU), ``reserved`` where the backend cannot tell ``allocated``.
+
+        >>> Backend.in_use((100, 4096)), Backend.in_use((None, 4096))
+        (100, 4096)
+        """
+        allocated, reserved = reading
+        return reserved if allocated is None else allocated
 
     def devices(self) -> list[str]:
         """Names of the devices this backend can read now."""

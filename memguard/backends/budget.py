@@ -11,7 +11,6 @@ left: :func:`budget`.
 from __future__ import annotations
 
 import dataclasses
-import platform
 from typing import Any, Optional
 
 from .._units import format_bytes
@@ -133,5 +132,7 @@ def device_identity() -> str:
         if name is not None:
             return f"cuda {name}"
     import psutil
+
+    import platform
 
     return f"host {platform.machine()} ({int(psutil.virtual_memory().total)} bytes)"

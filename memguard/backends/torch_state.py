@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 from typing import Any, Optional
 
 
@@ -115,6 +114,8 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
     size = sum(_nbytes(s) + _nbytes(g or []) for s, g in live)
     if free_host is not None and size > free_host // 2 and size > 0:
         import torch
+
+        import tempfile
 
         handle, path = tempfile.mkstemp(prefix="memguard-state-", suffix=".pt")
         os.close(handle)

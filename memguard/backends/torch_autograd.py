@@ -1,0 +1,175 @@
+"""What autograd keeps: the tensors live graphs saved for backward, and a warm-up step.
+
+A ``loss`` kept in a list (not ``loss.item()``) keeps its whole graph alive, and with it every
+tensor the graph saved for backward (activations, inputs). Those tensors have no Python
+referrer: the graph's C++ nodes hold them. :func:`graph_savings` walks the graphs of the live
+tensors (``grad_fn``, then ``next_functions``) and reads each node's saved tensors through its
+``_saved_*`` attributes (every torch 2.x build generates them for its backward nodes) and
+``saved_tensors`` (custom ``autograd.Function`` nodes). It returns storage keys and indices,
+never a tensor: the census it serves keeps no strong reference.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Optional
+
+from .torch import _name
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes of a node class that unpack its saved tensors; cached per class."""
+    names = _SAVED_NAMES.get(node_type)
+    if names is None:
+        names = tuple(name for name in dir(node_type)
+                      if name.startswith("_saved_") or name == "saved_tensors")
+        _SAVED_NAMES[node_type] = names
+    return names
+
+
+def _saved_of(node: Any, tensor_type: type) -> list[Any]:
+    """The tensors ``node`` saved for backward (empty once its graph ran backward)."""
+    out = []
+    for name in _saved_names(type(node)):
+        try:
+            value = getattr(node, name)
+        except (RuntimeError, AttributeError, TypeError):
+            continue  # freed by a backward pass, or not a tensor slot
+        if isinstance(value, tensor_type):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(v for v in value if isinstance(v, tensor_type))
+    return out
+
+
+Saving = tuple[str, str, tuple[int, ...], int, tuple[str, int]]
+"""A saved storage no live Python tensor owns: ``(device, dtype, shape, bytes, key)``."""
+
+
+Root = tuple[str, Any]
+"""A tensor whose graph saved something: ``(its description, a weak reference to it)``."""
+
+
+def graph_savings(tensors: list[Any], known: set[tuple[str, int]]
+                  ) -> tuple[dict[tuple[str, int], int], dict[int, Root], list[tuple[Saving, int]]]:
+    """Which graph keeps each saved storage, for the live ``tensors`` of a census.
+
+    A root is a tensor of ``tensors`` whose ``grad_fn`` no other live graph reaches (the
+    ``loss``); each storage saved in the graph below it (keyed ``(device, data pointer)``, as
+    the census keys storages) maps to the root's ``id``, the first root that reaches it
+    winning. Storages saved by a graph that no tensor of the census owns (``known`` lists those
+    it does) come back as ``(row, root id)`` pairs, to be counted too. Returns ``({key: root
+    id}, {root id: (description, weak reference)}, [(row, root id)])``, all empty when no
+    tensor has a graph.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}, {}, []
+    tensor_type = torch.Tensor
+    candidates: list[tuple[int, Any]] = []
+    for index, tensor in enumerate(tensors):
+        try:
+            node = tensor.grad_fn
+        except (RuntimeError, AttributeError):
+            continue
+        if node is not None:
+            candidates.append((index, node))
+    if not candidates:
+        return {}, {}, []
+    nodes: dict[int, Any] = {}  # every node reached (kept alive only for this walk)
+    inner: set[int] = set()  # nodes some other node leads to
+    stack = [node for _, node in candidates]
+    try:
+        while stack:
+            node = stack.pop()
+            if id(node) in nodes:
+                continue
+            nodes[id(node)] = node
+            for child, _ in _next(node):
+                if child is not None:
+                    inner.add(id(child))
+                    if id(child) not in nodes:
+                        stack.append(child)
+        owner: dict[tuple[str, int], int] = {}
+        roots: dict[int, Root] = {}
+        extra: list[tuple[Saving, int]] = []
+        done: set[int] = set()
+        for index, root in candidates:
+            if id(root) in inner or id(root) in done:
+                continue
+            tensor = tensors[index]
+            ident, found = id(tensor), len(owner)
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                if id(node) in done:
+                    continue
+                done.add(id(node))
+                for saved in _saved_of(node, tensor_type):
+                    row = _row(saved)
+                    if row is not None and row[4] not in owner:
+                        owner[row[4]] = ident
+                        if row[4] not in known:
+                            extra.append((row, ident))
+                    del saved
+                stack.extend(child for child, _ in _next(node)
+                             if child is not None and id(child) not in done)
+            if len(owner) > found:
+                roots[ident] = (_describe(tensor), weakref.ref(tensor))
+            del tensor
+        return owner, roots, extra
+    finally:
+        nodes.clear()
+        del stack, candidates
+
+
+def _describe(tensor: Any) -> str:
+    return f"{_name(tensor.dtype)}[{', '.join(map(str, tensor.shape))}]"
+
+
+def _next(node: Any) -> tuple:
+    try:
+        return node.next_functions
+    except (RuntimeError, AttributeError):
+        return ()
+
+
+def _row(tensor: Any) -> Optional[Saving]:
+    try:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if not pointer:
+            return None
+        device = _name(tensor.device)
+        return (device, _name(tensor.dtype), tuple(tensor.shape), storage.nbytes(),
+                (device, pointer))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return None
+
+
+def warm_up() -> None:
+    """Run one tiny training step (forward, backward, an AdamW step) on the CPU and on every
+    CUDA device already initialised, so that the state only a process's first step creates
+    (autograd's engine, the CPU kernels' caches, cuBLAS workspaces) exists before a measured
+    block. Never initialises CUDA itself."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    devices = ["cpu"]
+    if torch.cuda.is_initialized():
+        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for device in devices:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 8)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            inputs = torch.randn(16, 64, device=device)
+            loss = torch.nn.functional.cross_entropy(
+                model(inputs), torch.zeros(16, dtype=torch.long, device=device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        del model, optimizer, inputs, loss
