@@ -17,18 +17,20 @@ _all: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
 
 
 class ForkSafeLock:
-    """A ``threading.Lock`` that a child process created by ``os.fork()`` finds unlocked.
+    """A ``threading.Lock`` (``threading.RLock`` with ``reentrant=True``) that a child
+    process created by ``os.fork()`` finds unlocked.
 
     >>> lock = ForkSafeLock()
     >>> with lock:
-    ...     lock.locked()
-    True
+    ...     lock.acquire(blocking=False)
+    False
     """
 
-    __slots__ = ("_lock", "__weakref__")
+    __slots__ = ("_lock", "_factory", "__weakref__")
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, reentrant: bool = False) -> None:
+        self._factory = threading.RLock if reentrant else threading.Lock
+        self._lock = self._factory()
         _all.add(self)
 
     def __enter__(self) -> bool:
@@ -45,14 +47,10 @@ class ForkSafeLock:
         """As ``threading.Lock.release``."""
         self._lock.release()
 
-    def locked(self) -> bool:
-        """Whether some thread holds the lock."""
-        return self._lock.locked()
-
 
 def _recreate_in_child() -> None:
     for lock in list(_all):
-        lock._lock = threading.Lock()
+        lock._lock = lock._factory()
 
 
 if hasattr(os, "register_at_fork"):

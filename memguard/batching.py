@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
-from ._slices import ITEMS, Plan, plan_batch
+from ._slices import Plan, plan_batch
 from .cleanup import drop_frames, free_memory
 from .distributed import Agreement, Sync
 from .errors import OutOfMemoryError, oom_kind
@@ -18,7 +18,7 @@ from .backends import resolve_devices
 from .backends.budget import available as budget_available
 from .backends.budget import watched_devices
 from .retry import Attempt, check_size, error_text, safe_snapshot
-from .scope import _book as peak_book
+from .scope import peak_book
 from .sizes import MemoryFit, SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
@@ -293,13 +293,13 @@ class _Mapper:
                 failed = Attempt(size, None, False, error_text(exc),
                                  time.perf_counter() - started, safe_snapshot())
                 self.history.append(failed)
+                drop_frames(exc)  # before any raise: __cause__ must not keep the frames
                 if min(size, stop - done) <= self.min_batch_size:  # nothing smaller to try
                     raise OutOfMemoryError(
                         f"map_batches: out of memory at batch_size={min(size, stop - done)}, "
                         f"the minimum, at "
                         f"{where(done)}; the finished results ({len(self.results)} calls) are "
                         f"on the error's .partial", self.history, self.results) from exc
-                drop_frames(exc)
             else:
                 self.results.append(out)
                 if self.retried:

@@ -19,6 +19,17 @@ Sync = Union[bool, Literal["auto"]]
 OK, OOM, FAILED = 0, 1, 2
 
 
+def check_sync(sync: object, who: str = "sync") -> Sync:
+    """``sync`` if it is ``True``, ``False`` or ``"auto"`` (not 1 or 0), else a ``ValueError``.
+
+    >>> check_sync("auto")
+    'auto'
+    """
+    if not (sync is True or sync is False or sync == "auto"):
+        raise ValueError(f"{who}: sync must be True, False or 'auto', got {sync!r}")
+    return sync  # type: ignore[return-value]
+
+
 class Agreement:
     """The ranks' common view of one attempt: the worst status and the smallest size.
 
@@ -27,8 +38,7 @@ class Agreement:
     """
 
     def __init__(self, sync: Sync = "auto") -> None:
-        if sync not in (True, False, "auto"):
-            raise ValueError(f"sync must be True, False or 'auto', got {sync!r}")
+        check_sync(sync)
         world = torch_distributed.world() if sync is not False else None
         if sync is True and world is None:
             raise RuntimeError("sync=True needs an initialised torch.distributed process group "

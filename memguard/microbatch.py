@@ -35,7 +35,7 @@ from ._units import format_bytes
 from .backends import torch_distributed
 from .backends import torch_training as training
 from .cleanup import drop_frames, free_memory
-from .distributed import FAILED, OK, OOM, Agreement, Sync
+from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
 from .errors import MemguardError, OutOfMemoryError, oom_kind
 from .retry import Attempt, check_factor, check_size, error_text, memory_summary, safe_snapshot
 
@@ -316,8 +316,7 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
                          f"{reduction!r}")
     if grow_every is not None:
         check_size(grow_every, "grow_every")
-    if not (sync is True or sync is False or sync == "auto"):
-        raise ValueError(f"auto_microbatch: sync must be True, False or 'auto', got {sync!r}")
+    check_sync(sync, "auto_microbatch")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
                         f"its scale()), got {type(scaler).__name__}")

@@ -22,7 +22,7 @@ from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import format_bytes
 from .cleanup import drop_frames, free_memory
-from .distributed import FAILED, OK, OOM, Agreement, Sync
+from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
 from .backends import torch_state
 from .backends.budget import available as budget_available
 from .backends.budget import watched_devices
@@ -173,8 +173,7 @@ class _Config:
         self.sync = sync
         self.on_retry = on_retry
         self.snapshot_dir = snapshot_dir
-        if sync not in (True, False, "auto"):
-            raise ValueError(f"oom_retry: sync must be True, False or 'auto', got {sync!r}")
+        check_sync(sync, "oom_retry")
         if on_retry is not None and not callable(on_retry):
             raise TypeError(f"oom_retry: on_retry must be callable, got {on_retry!r}")
 
@@ -238,12 +237,13 @@ class _Run:
                 if cached is not None and cached < cfg.min_batch_size:
                     cached = None
         self.agreement = Agreement(cfg.sync)
-        self.saved = (torch_state.copy_states(cfg.restore, budget_available("host"))
-                      if cfg.restore and not self.recursive else None)
         self.before: dict[str, Optional[int]] = {}
         self.estimate: Optional[int] = None
         start = min(resumed, self.requested) if resumed is not None else cached
         self.size = self.agreement.smallest(start or self.requested)
+        # last: nothing below may raise before the caller's try/finally owns the copy
+        self.saved = (torch_state.copy_states(cfg.restore, budget_available("host"))
+                      if cfg.restore and not self.recursive else None)
         self.attempts: list[Attempt] = []
         if not self.recursive:
             state.history = self.attempts
@@ -330,14 +330,14 @@ class _Run:
         self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
                                      safe_snapshot(), self._dump()))
         emit(f"OOM at {self.cfg.arg}={self.size}")
+        if self.cfg.factor == "auto":
+            self._measure(exc)  # while the failed attempt still holds its memory
+        drop_frames(exc)  # before any raise: the error's __cause__ must not keep the frames
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
                                 f"not an out-of-memory while this one ran out of memory at "
                                 f"{self.cfg.arg}={self.size}; see that rank's log") from exc
-        if self.cfg.factor == "auto":
-            self._measure(exc)
         self._decide(exc)
-        drop_frames(exc)
         return True
 
     def succeeded(self) -> bool:

@@ -69,7 +69,9 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
         return None
 
 
-_book = _PeakBook()
+#: The process's one book of peaks: every scope, and each measured trial of
+#: ``find_batch_size(mode="predict")``, enters and leaves it.
+peak_book = _PeakBook()
 
 
 def _level(backend: Backend, reading: tuple[Optional[int], Optional[int]]) -> Optional[int]:
@@ -166,7 +168,7 @@ class MemoryScope:
         if self.track_tensors:
             self._tensors_before = tensor_ids()
         self.before = snapshot([d for _, d in self._pairs])
-        _book.enter(id(self), self._pairs)
+        peak_book.enter(id(self), self._pairs)
         emit(f"enter {self._title()}")
         self._start = time.perf_counter()
         return self
@@ -195,7 +197,7 @@ class MemoryScope:
         self.elapsed = time.perf_counter() - self._start
         self._active = False
         emit(f"exit {self._title()}")
-        self.peak = _book.exit(id(self), self._pairs)
+        self.peak = peak_book.exit(id(self), self._pairs)
         assert self.before is not None
         entry: Readings = {d: (m.allocated, m.reserved) for d, m in self.before.devices.items()}
         if self._policy is not None:
@@ -362,7 +364,8 @@ class _FreesMemory:
         self.warmup = warmup
         self.track_tensors = track_tensors
         self.settler = Settler(policy, adaptive=True)
-        self.lock = ForkSafeLock()
+        # reentrant: a finaliser that the cleanup's collection runs may call the function
+        self.lock = ForkSafeLock(reentrant=True)
         self.calls = 0
         self.baseline: Readings = {}
         # Calls of this function running in the current thread or asyncio task: a recursive

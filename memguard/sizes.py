@@ -125,6 +125,7 @@ class SizeFile:
                 import json
                 import tempfile
 
+                mode = _mode_of(self.path)  # mkstemp's 0600 would lock other users out
                 handle, temporary = tempfile.mkstemp(prefix=".memguard-sizes-", dir=folder)
                 try:
                     with os.fdopen(handle, "w", encoding="utf-8") as f:
@@ -132,6 +133,7 @@ class SizeFile:
                                   sort_keys=True)
                         f.flush()
                         os.fsync(f.fileno())
+                    os.chmod(temporary, mode)
                     os.replace(temporary, self.path)
                 except BaseException:
                     try:
@@ -139,8 +141,33 @@ class SizeFile:
                     except OSError:
                         pass
                     raise
+                _sync_folder(folder)
         except OSError as exc:
             self._warn("write", exc)
+
+
+def _mode_of(path: str) -> int:
+    """The permission bits of the file at ``path``; ``0o644`` where there is none."""
+    import stat
+
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o644
+
+
+def _sync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable where the OS lets a folder be synced."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # Windows cannot open a folder: the rename is all there is
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _FileLock:
@@ -156,8 +183,15 @@ class _FileLock:
             import fcntl
         except ImportError:
             return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        locked = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        finally:
+            if not locked:  # flock raised (an interrupt, a file system without locks)
+                os.close(fd)
+        self.fd = fd
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -112,6 +112,32 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
     assert [s.name for s in callback.scopes] == ["lightning epoch 1"]  # warm-up again
 
 
+def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(monkeypatch):
+    import memguard.scope
+    from memguard.retry import error_text
+
+    settled = []
+    real = memguard.scope.Settler
+
+    class Spy(real):
+        def settle(self, pairs, entry):
+            settled.append(self)
+            return super().settle(pairs, entry)
+
+    class Fails(Tiny):
+        def training_step(self, batch, index):
+            torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
+
+    monkeypatch.setattr(memguard.scope, "Settler", Spy)
+    callback = MemguardCallback(cleanup="always")
+    with pytest.raises(RuntimeError) as caught:
+        trainer(callback).fit(Fails(), DataLoader(DATA, batch_size=16))
+    assert settled == []  # no gc.collect while the traceback holds the failed frames
+    [failure] = callback.failures
+    assert failure["error"] == error_text(caught.value)
+    assert failure["error"].startswith("out of memory (") and "DefaultCPUAllocator" in failure["error"]
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(max_leak="lots"), "max_leak"), (dict(log_every_n_steps=0), "log_every_n_steps"),
     (dict(cleanup="sometimes"), "cleanup"), (dict(track_tensors="yes"), "track_tensors"),
@@ -166,7 +192,9 @@ def test_a_budgeted_fit_recovers_through_oom_retry(python_in_subprocess):
 
         fit(64)  # warm up: Lightning's and torch's one-time state
         set_budget(300)  # 16384 x 4096 floats are 256 MiB per activation
-        train = memguard.oom_retry(batch_size=16384, on_retry=callback.on_retry)(fit)
+        # every attempt starts from the weights the first one began with
+        train = memguard.oom_retry(batch_size=16384, on_retry=callback.on_retry,
+                                   restore=(model,))(fit)
         trainer = train()
         lift_budget()
         print(json.dumps({"final": train.batch_size,

@@ -159,7 +159,8 @@ def test_a_budgeted_train_recovers_through_oom_retry(python_in_subprocess):
 
         train(4)  # warm up
         set_budget(400)  # logits of 1024 x 128 x 1000 floats are 500 MiB
-        guarded = memguard.oom_retry(batch_size=1024, on_retry=callback.on_retry)(train)
+        guarded = memguard.oom_retry(batch_size=1024, on_retry=callback.on_retry,
+                                     restore=(model,))(train)
         trainer = guarded()
         lift_budget()
         print(json.dumps({"final": guarded.batch_size,

@@ -256,3 +256,28 @@ def test_bad_sizes_at_call_time():
         train(-3)
     with pytest.raises(ValueError, match="min_batch_size=4 is larger than the starting"):
         train(2)
+
+
+def test_the_final_error_does_not_keep_the_last_attempts_tensors():
+    """The OutOfMemoryError outlives the call (in a notebook, until the next error): its
+    ``__cause__`` must not hold the failed attempt's frames and what they allocated."""
+    import weakref
+
+    refs = []
+
+    @memguard.oom_retry(batch_size=2)
+    def step(batch_size):
+        activations = torch.ones(1000)
+        refs.append(weakref.ref(activations))
+        torch.empty(1 << 60)
+
+    def data(batch):
+        activations = torch.ones(1000)
+        refs.append(weakref.ref(activations))
+        torch.empty(1 << 60)
+
+    for call in (step, lambda: memguard.map_batches(data, list(range(4)), batch_size=1)):
+        refs.clear()
+        with pytest.raises(memguard.OutOfMemoryError) as info:
+            call()
+        assert refs and all(r() is None for r in refs), info.value

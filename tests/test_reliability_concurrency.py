@@ -291,3 +291,33 @@ def test_an_oom_retry_function_runs_in_a_spawn_pool_and_retries_there():
     with ctx.Pool(1) as pool:
         sizes = pool.map_async(df.shrinking_step, [1024, 512]).get(timeout=240)
     assert sizes == [64, 64]
+
+
+def test_a_finaliser_calling_the_function_during_its_cleanup_does_not_deadlock(
+        python_in_subprocess):
+    """The cleanup's collection runs finalisers; one that calls the same @frees_memory
+    function re-enters its bookkeeping on the same thread."""
+    out = python_in_subprocess("""
+        import gc, json
+        import memguard
+
+        calls = []
+
+        class Cycle:
+            def __init__(self):
+                self.me = self
+
+            def __del__(self):
+                step(leave_cycle=False)
+
+        @memguard.frees_memory(policy="always")
+        def step(leave_cycle=True):
+            calls.append(leave_cycle)
+            if leave_cycle:
+                Cycle()
+
+        gc.disable()  # only the cleanup's own collection finds the cycle
+        step()
+        print(json.dumps({"calls": calls}))
+    """, timeout=60)
+    assert out["calls"] == [True, False]

@@ -376,6 +376,45 @@ def test_a_corrupt_size_file_is_a_warning_and_is_rewritten(tmp_path):
         memguard.oom_retry(cache=3)
 
 
+def test_a_rewritten_size_file_keeps_its_mode_and_a_new_one_is_readable_by_all(tmp_path):
+    shared = tmp_path / "shared.json"
+    SizeFile(shared).put("a", 1)
+    os.chmod(shared, 0o644)
+    SizeFile(shared).put("b", 2)  # replaced by a temporary file: mkstemp makes those 0600
+    assert os.stat(shared).st_mode & 0o777 == 0o644
+    os.chmod(shared, 0o664)
+    SizeFile(shared).put("c", 3)
+    assert os.stat(shared).st_mode & 0o777 == 0o664
+    fresh = tmp_path / "fresh.json"
+    SizeFile(fresh).put("a", 1)
+    assert os.stat(fresh).st_mode & 0o777 == 0o644
+    assert SizeFile(shared).get("b") == 2 and not list(tmp_path.glob(".memguard-sizes-*"))
+
+
+def test_the_size_file_lock_closes_its_descriptor_when_flock_fails(tmp_path, monkeypatch):
+    fcntl = pytest.importorskip("fcntl")
+    from memguard import sizes
+
+    opened = []
+    real_open = os.open
+
+    def recording_open(*args, **kwargs):
+        opened.append(real_open(*args, **kwargs))
+        return opened[-1]
+
+    def failing_flock(fd, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(os, "open", recording_open)
+    monkeypatch.setattr(fcntl, "flock", failing_flock)
+    with pytest.raises(OSError, match="No locks available"):
+        with sizes._FileLock(str(tmp_path / "sizes.json.lock")):
+            pass
+    assert len(opened) == 1
+    with pytest.raises(OSError):
+        os.fstat(opened[0])  # closed
+
+
 def test_find_batch_size_remembers_its_size_in_a_file(tmp_path):
     path = tmp_path / "found.json"
     trials = []

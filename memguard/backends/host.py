@@ -207,11 +207,12 @@ def limit_address_space(limit: int) -> tuple[int, int]:
         if bound != resource.RLIM_INFINITY:
             soft = min(soft, bound)
     hard = previous[1]
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    if soft == previous[0] and _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
-        _MEMORY_LIMITS.append(_MEMORY_LIMITS[-1])  # a wider inner limit: the outer one holds
-    else:
-        _MEMORY_LIMITS.append((soft, base))
+    with _LIMITS_LOCK:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        if soft == previous[0] and _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
+            _MEMORY_LIMITS.append(_MEMORY_LIMITS[-1])  # a wider inner limit: the outer holds
+        else:
+            _MEMORY_LIMITS.append((soft, base))
     return previous
 
 
@@ -219,14 +220,18 @@ def restore_address_space(previous: tuple[int, int]) -> None:
     """Put back the limits :func:`limit_address_space` replaced."""
     import resource
 
-    resource.setrlimit(resource.RLIMIT_AS, previous)
-    if _MEMORY_LIMITS:
-        _MEMORY_LIMITS.pop()
+    with _LIMITS_LOCK:
+        resource.setrlimit(resource.RLIMIT_AS, previous)
+        if _MEMORY_LIMITS:
+            _MEMORY_LIMITS.pop()
 
 
 # -- budgets: what the process may still allocate on the host -----------------------------------
-# (soft RLIMIT_AS set by memory_limit, the virtual size when it was set), innermost last.
+# (soft RLIMIT_AS set by memory_limit, the virtual size when it was set), innermost last. The
+# limit is the process's: limits nest strictly (each exit undoes the latest entry), whichever
+# thread enters them; the lock keeps the list and the kernel's limit in step.
 _MEMORY_LIMITS: list[tuple[int, int]] = []
+_LIMITS_LOCK = ForkSafeLock()
 
 
 def address_space_budget() -> Optional[tuple[str, int, int]]:

@@ -229,7 +229,7 @@ def tensor_types() -> set[type]:
 _names: dict[Any, str] = {}
 
 
-def _name(key: Any) -> str:
+def dtype_name(key: Any) -> str:
     """``float32`` for ``torch.float32``, ``cuda:0`` for ``device('cuda', 0)``; cached."""
     name = _names.get(key)
     if name is None:
@@ -257,9 +257,9 @@ def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple],
             if not pointer:
                 continue
             device, dtype = tensor.device, tensor.dtype
-            device = known.get(device) or _name(device)
+            device = known.get(device) or dtype_name(device)
             ident = id(tensor)
-            add_row(("torch", device, known.get(dtype) or _name(dtype), tensor.shape,
+            add_row(("torch", device, known.get(dtype) or dtype_name(dtype), tensor.shape,
                      storage.nbytes(), tensor._is_view(), names.get(ident), ident, ref(tensor)))
             add_key((device, pointer))
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
@@ -380,7 +380,9 @@ def version() -> str:
 # -- budgets --------------------------------------------------------------------------------------
 def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:
     """What CUDA device ``index`` can still give this process, as ``(kind, limit, used)`` in
-    bytes, or ``None`` when this process has not initialised CUDA (looking never does).
+    bytes, or ``None`` when this process has not initialised CUDA (looking never does) or
+    does not use that GPU (neither the current device nor holding memory there: asking the
+    driver would create a context, hundreds of MiB).
 
     Free memory counts the driver's free bytes plus the caching allocator's reserved but
     unused ones (it hands those out first). Under a per-process memory fraction (what
@@ -392,9 +394,11 @@ def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:
         return None
     torch = _torch()
     try:
-        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
         allocated = int(torch.cuda.memory_allocated(index))
         reserved = int(torch.cuda.memory_reserved(index))
+        if not reserved and index != torch.cuda.current_device():
+            return None  # a GPU this process does not use: asking would create a context
+        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
     except (RuntimeError, AssertionError):
         return None
     available = free + max(0, reserved - allocated)

@@ -15,7 +15,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
-from .torch import _name
+from .torch import dtype_name as _name
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
@@ -151,25 +151,30 @@ def _row(tensor: Any) -> Optional[Saving]:
 
 
 def warm_up() -> None:
-    """Run one tiny training step (forward, backward, an AdamW step) on the CPU and on every
-    CUDA device already initialised, so that the state only a process's first step creates
-    (autograd's engine, the CPU kernels' caches, cuBLAS workspaces) exists before a measured
-    block. Never initialises CUDA itself."""
+    """Run one tiny training step (forward, backward, an AdamW step) on the CPU and on the
+    current CUDA device when CUDA is already initialised, so that the state only a process's
+    first step creates (autograd's engine, the CPU kernels' caches, cuBLAS workspaces) exists
+    before a measured block. Never initialises CUDA, creates no context on another GPU, and
+    leaves the random number generators as they were (a test's seed stays its own)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
     devices = ["cpu"]
     if torch.cuda.is_initialized():
-        devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    for device in devices:
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                    torch.nn.Linear(64, 8)).to(device)
-        optimizer = torch.optim.AdamW(model.parameters())
-        for _ in range(2):
-            inputs = torch.randn(16, 64, device=device)
-            loss = torch.nn.functional.cross_entropy(
-                model(inputs), torch.zeros(16, dtype=torch.long, device=device))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        del model, optimizer, inputs, loss
+        devices.append(f"cuda:{torch.cuda.current_device()}")
+    with torch.random.fork_rng(devices=[d for d in devices if d != "cpu"]):
+        for device in devices:
+            _one_step(torch, device)
+
+
+def _one_step(torch: Any, device: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 8)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        inputs = torch.randn(16, 64, device=device)
+        loss = torch.nn.functional.cross_entropy(
+            model(inputs), torch.zeros(16, dtype=torch.long, device=device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -119,7 +119,11 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
 
         handle, path = tempfile.mkstemp(prefix="memguard-state-", suffix=".pt")
         os.close(handle)
-        torch.save(live, path)  # written storage by storage, never all on the host at once
+        try:
+            torch.save(live, path)  # written storage by storage, never all on the host at once
+        except BaseException:
+            os.unlink(path)
+            raise
         return SavedState(objects, None, path)
     return SavedState(objects, [(_to_host(s), _to_host(g)) for s, g in live], None)
 

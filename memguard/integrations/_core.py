@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 from .._units import Size, parse_optional_size
 from ..backends import Backend, resolve_devices
 from ..errors import MemoryLeakError, is_oom_error
-from ..retry import Attempt, memory_summary
+from ..retry import Attempt, error_text, memory_summary
 from ..scope import MemoryScope, memory_scope
 from ..snapshot import MemorySnapshot, snapshot
 
@@ -38,10 +38,10 @@ def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
     if not isinstance(track_tensors, bool):
         raise TypeError(f"MemguardCallback: track_tensors must be True or False, got "
                         f"{track_tensors!r}")
-    if cleanup not in (True, False, "auto", "always") or isinstance(cleanup, int) and \
-            not isinstance(cleanup, bool):
-        raise ValueError(f"MemguardCallback: cleanup must be True, False, 'auto' or 'always', "
-                         f"got {cleanup!r}")
+    try:  # memory_scope's own check of its cleanup policy
+        memory_scope(cleanup=cleanup)
+    except ValueError as exc:
+        raise ValueError(f"MemguardCallback: {exc}") from None
     if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool)
                                           or not isinstance(log_every_n_steps, int)
                                           or log_every_n_steps < 1):
@@ -108,7 +108,15 @@ class Tracker:
         return metrics_of(scope, PREFIX[kind]), error
 
     def _close_quietly(self, scope: MemoryScope) -> None:
+        """Close the scope of a failed run: measured, unjudged and without cleanup. Lightning
+        calls ``on_exception`` inside its ``except``, where the traceback still holds the
+        failed frames: a collection there costs ~70 ms and frees nothing they hold; whoever
+        handles the error (``oom_retry``) cleans up after it."""
         scope.max_leak = None  # a run that failed is not judged
+        # MemoryScope has no public way to drop the cleanup of an open scope: its policy is
+        # read from ``cleanup`` when it is made and kept in ``_policy``.
+        scope.cleanup = False
+        scope._policy = None
         try:
             scope.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - closing after a failure must not fail
@@ -173,7 +181,7 @@ class Tracker:
                 memory = None
         step = self.step if step is None else step
         batch_size = self.batch_size if batch_size is None else batch_size
-        text = error if error is not None else _first_line(exc)
+        text = error if error is not None else _error_text(exc)
         record = {"step": step, "batch_size": batch_size, "error": text,
                   "memory": memory.to_dict() if memory is not None else None}
         self.failures.append(record)
@@ -196,6 +204,49 @@ class Tracker:
         self._failed = False
 
 
+class CallbackBase:
+    """What the three ``MemguardCallback`` classes share: their parameters, their
+    :class:`Tracker`, ``scopes``, ``failures`` and ``on_retry``. Listed before the framework's
+    callback class, which stays a base (``class MemguardCallback(CallbackBase,
+    keras.callbacks.Callback)``); ``_framework`` names the framework in the log, and
+    ``_init_state`` sets a subclass's own attributes.
+
+    >>> class Demo(CallbackBase):
+    ...     _framework = "demo"
+    >>> Demo(max_leak="64MiB").failures
+    []
+    """
+
+    _framework = "memguard"
+
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Union[bool, str] = True,
+                 log_every_n_steps: Optional[int] = None) -> None:
+        super().__init__()
+        self._tracker = Tracker(self._framework, max_leak, track_tensors, cleanup,
+                                log_every_n_steps)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Set the subclass's own attributes (nothing here)."""
+
+    @property
+    def scopes(self) -> list[MemoryScope]:
+        """Every finished training epoch's and validation run's (evaluation's) scope, in
+        order."""
+        return self._tracker.scopes
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
+        return self._tracker.failures
+
+    def on_retry(self, attempt: Attempt) -> None:
+        """``oom_retry(on_retry=callback.on_retry)``: log the failure (unless the callback saw
+        it already) and be ready for the next attempt."""
+        self._tracker.on_retry(attempt)
+
+
 def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
     """``{"memory/host/peak": MiB, "memory/host/retained": MiB, "memory/host/allocated":
     MiB, ...}`` of a closed scope; a device whose figure is unknown is left out."""
@@ -212,14 +263,9 @@ def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def _first_line(exc: Optional[BaseException]) -> str:
-    if exc is None:
-        return "out of memory"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for line in lines:  # the line that states the allocation, where the first does not
-        if "OOM when allocating" in line or "can't allocate memory" in line:
-            return f"{type(exc).__name__}: {line[:200]}"
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+def _error_text(exc: Optional[BaseException]) -> str:
+    """The out-of-memory's text as ``oom_retry`` writes it into ``Attempt.error``."""
+    return "out of memory" if exc is None else error_text(exc)
 
 
 def _unknown(value: Any) -> str:
@@ -232,4 +278,4 @@ def missing(package: str, extra: str, what: str) -> ImportError:
                        f'pip install "memguard[{extra}]" (or pip install {package})')
 
 
-__all__ = ["Tracker", "check_options", "metrics_of", "missing"]
+__all__ = ["CallbackBase", "Tracker", "check_options", "metrics_of", "missing"]

@@ -7,12 +7,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional
 
-from .._units import Size
-from ..retry import Attempt
-from ..scope import MemoryScope
-from ._core import TRAIN, VAL, Tracker, missing
+from ._core import TRAIN, VAL, CallbackBase, missing
 
 try:
     import keras as _keras
@@ -20,7 +17,7 @@ except ImportError:
     raise missing("keras", "keras", "Keras") from None
 
 
-class MemguardCallback(_keras.callbacks.Callback):
+class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
     """Memory of every training epoch and validation run, added to the epoch's ``logs`` (so
     ``History.history`` and Keras's ``TensorBoard`` callback get it: list this callback before
     ``TensorBoard``).
@@ -49,28 +46,11 @@ class MemguardCallback(_keras.callbacks.Callback):
     []
     """
 
-    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
-                 cleanup: Union[bool, str] = True,
-                 log_every_n_steps: Optional[int] = None) -> None:
-        super().__init__()
-        self._tracker = Tracker("keras", max_leak, track_tensors, cleanup, log_every_n_steps)
+    _framework = "keras"
+
+    def _init_state(self) -> None:
         self._steps = 0
         self._validation: dict[str, float] = {}  # the last validation run's, for the epoch
-
-    @property
-    def scopes(self) -> list[MemoryScope]:
-        """Every finished epoch's and validation run's scope, in order."""
-        return self._tracker.scopes
-
-    @property
-    def failures(self) -> list[dict[str, Any]]:
-        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
-        return self._tracker.failures
-
-    def on_retry(self, attempt: Attempt) -> None:
-        """``oom_retry(on_retry=callback.on_retry)``: log the failure, ready for the next
-        attempt."""
-        self._tracker.on_retry(attempt)
 
     # -- Keras's hooks -------------------------------------------------------------------------
     def on_train_begin(self, logs: Optional[dict] = None) -> None:

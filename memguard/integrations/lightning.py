@@ -7,12 +7,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from .._units import Size
-from ..retry import Attempt
-from ..scope import MemoryScope
-from ._core import TRAIN, VAL, Tracker, missing
+from ._core import TRAIN, VAL, CallbackBase, missing
 
 try:  # the standalone package first: it is what memguard[lightning] installs
     import pytorch_lightning as _pl
@@ -23,7 +20,7 @@ except ImportError:
         raise missing("pytorch-lightning", "lightning", "PyTorch Lightning") from None
 
 
-class MemguardCallback(_pl.Callback):
+class MemguardCallback(CallbackBase, _pl.Callback):
     """Memory of every training epoch and validation run, logged through
     ``LightningModule.log`` (so every Lightning logger gets it).
 
@@ -49,26 +46,7 @@ class MemguardCallback(_pl.Callback):
     []
     """
 
-    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
-                 cleanup: Union[bool, str] = True,
-                 log_every_n_steps: Optional[int] = None) -> None:
-        super().__init__()
-        self._tracker = Tracker("lightning", max_leak, track_tensors, cleanup,
-                                log_every_n_steps)
-
-    @property
-    def scopes(self) -> list[MemoryScope]:
-        """Every finished epoch's and validation run's scope, in order."""
-        return self._tracker.scopes
-
-    @property
-    def failures(self) -> list[dict[str, Any]]:
-        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
-        return self._tracker.failures
-
-    def on_retry(self, attempt: Attempt) -> None:
-        """``oom_retry(on_retry=callback.on_retry)``: ready for the next attempt."""
-        self._tracker.on_retry(attempt)
+    _framework = "lightning"
 
     # -- Lightning's hooks ---------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from .._units import Size
-from ..retry import Attempt
-from ..scope import MemoryScope
-from ._core import TRAIN, VAL, Tracker, missing
+from ._core import TRAIN, VAL, CallbackBase, missing
 
 try:
     import transformers as _transformers
@@ -24,7 +21,7 @@ except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
 
 
-class MemguardCallback(_TrainerCallback):
+class MemguardCallback(CallbackBase, _TrainerCallback):
     """Memory of every training epoch and evaluation, logged into the trainer's
     ``state.log_history`` and its reporters (TensorBoard, W&B, ...), as ``Trainer.log`` does.
 
@@ -51,27 +48,10 @@ class MemguardCallback(_TrainerCallback):
     []
     """
 
-    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
-                 cleanup: Union[bool, str] = True,
-                 log_every_n_steps: Optional[int] = None) -> None:
-        self._tracker = Tracker("transformers", max_leak, track_tensors, cleanup,
-                                log_every_n_steps)
+    _framework = "transformers"
+
+    def _init_state(self) -> None:
         self._trainer: Optional[weakref.ReferenceType] = None
-
-    @property
-    def scopes(self) -> list[MemoryScope]:
-        """Every finished epoch's and evaluation's scope, in order."""
-        return self._tracker.scopes
-
-    @property
-    def failures(self) -> list[dict[str, Any]]:
-        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
-        return self._tracker.failures
-
-    def on_retry(self, attempt: Attempt) -> None:
-        """``oom_retry(on_retry=callback.on_retry)``: log the failure, ready for the next
-        attempt."""
-        self._tracker.on_retry(attempt)
 
     # -- the Trainer's events ------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -1,0 +1,80 @@
+"""What the three callbacks share (memguard.integrations._core), without a framework."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import memguard.scope
+from memguard.integrations._core import TRAIN, VAL, CallbackBase, Tracker, check_options
+from memguard.retry import error_text
+
+
+@pytest.fixture
+def settles(monkeypatch):
+    """Every cleanup a memory_scope runs at its exit, recorded."""
+    calls = []
+    real = memguard.scope.Settler
+
+    class Spy(real):
+        def settle(self, pairs, entry):
+            calls.append(self)
+            return super().settle(pairs, entry)
+
+    monkeypatch.setattr(memguard.scope, "Settler", Spy)
+    return calls
+
+
+def test_a_failure_closes_the_open_scopes_measured_but_without_cleanup(settles):
+    tracker = Tracker("demo", "1MiB", False, "always", None)
+    tracker.begin(TRAIN)
+    tracker.end(TRAIN)
+    assert len(settles) == 1  # an epoch's normal end cleans up as its policy says
+    tracker.begin(TRAIN)
+    tracker.begin(VAL)
+    scopes = list(tracker.open.values())
+    block = bytearray(8 << 20)  # above max_leak: a failed run is not judged either
+    try:
+        raise RuntimeError("Graph execution error:\n\nOOM when allocating tensor with shape[9]")
+    except RuntimeError as exc:  # as Lightning's on_exception: inside the trainer's except
+        record = tracker.failed(exc)
+        expected = error_text(exc)
+    del block
+    assert len(settles) == 1 and tracker.open == {}
+    assert all(s.after is not None and s.freed == 0 and s.cleanup is False for s in scopes)
+    assert record["error"] == expected and "OOM when allocating tensor" in expected
+    assert tracker.failures == [record]
+
+
+@pytest.mark.parametrize("cleanup", [True, False, "auto", "always"])
+def test_check_options_takes_every_policy_memory_scope_takes(cleanup):
+    assert check_options(None, False, cleanup, None)[2] is cleanup
+
+
+@pytest.mark.parametrize("cleanup", ["sometimes", 1, 0.0, None])
+def test_check_options_refuses_what_memory_scope_refuses(cleanup):
+    with pytest.raises(ValueError) as caught:
+        check_options(None, False, cleanup, None)
+    assert str(caught.value) == (f"MemguardCallback: cleanup must be True, False, 'auto' or "
+                                 f"'always', got {cleanup!r}")
+
+
+@pytest.mark.parametrize("module, framework_callback", [
+    ("lightning", "pytorch_lightning:Callback"), ("transformers", "transformers:TrainerCallback"),
+    ("keras", "keras:callbacks.Callback"),
+])
+def test_every_callback_shares_the_base_and_stays_its_frameworks_callback(module,
+                                                                          framework_callback):
+    package, path = framework_callback.split(":")
+    base = pytest.importorskip(package)
+    for part in path.split("."):
+        base = getattr(base, part)
+    cls = importlib.import_module(f"memguard.integrations.{module}").MemguardCallback
+    assert issubclass(cls, CallbackBase) and issubclass(cls, base)
+    assert cls.__doc__ and ">>> " in cls.__doc__
+    for name in ("__init__", "scopes", "failures", "on_retry"):
+        assert name not in cls.__dict__, name  # one definition, in CallbackBase
+    callback = cls(max_leak="64MiB", log_every_n_steps=5)
+    assert callback.scopes == [] and callback.failures == []
+    assert callback._tracker.framework == module and callback._tracker.max_leak == 64 << 20
