@@ -6,6 +6,11 @@ up (one thread, one malloc arena, so that later thread stacks and arenas do not 
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import textwrap
 
 PRELUDE = """
@@ -32,3 +37,32 @@ ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1", "TF_NUM_INTEROP_THREADS"
 def script(*parts: str) -> str:
     """The prelude followed by ``parts``, each dedented on its own."""
     return PRELUDE + "".join(textwrap.dedent(part) for part in parts)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(code: str, world: int = 3, timeout: float = 240) -> list[dict]:
+    """Run ``code`` (prelude included) as ``world`` gloo ranks on this machine; each prints
+    one JSON object as its last line. A hang fails the caller instead of the suite: every
+    rank has a deadline and is killed past it."""
+    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-c", script(code)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(env, RANK=str(rank))) for rank in range(world)]
+    outputs = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return outputs

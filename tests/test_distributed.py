@@ -5,15 +5,10 @@ A hang is the failure this guards against, so every run has a deadline.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from budget import ENV, script
+from budget import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -59,28 +54,8 @@ print(json.dumps({"rank": rank, "result": result, "sizes": sizes,
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_three_ranks_retry_together_and_finish_alike():
-    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="3", TF_CPP_MIN_LOG_LEVEL="3")
-    procs = [subprocess.Popen([sys.executable, "-c", script(WORKER)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(env, RANK=str(rank))) for rank in range(3)]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, stderr[-3000:]
-            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()  # a hang fails the test instead of the suite
+    outputs = run_ranks(WORKER)
     for out in outputs:
         assert out["result"] == 2 and out["sizes"] == [8, 4, 2], outputs
         assert out["again"] == 1  # the cached size, on every rank

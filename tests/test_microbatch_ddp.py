@@ -7,17 +7,12 @@ never reaches. Every run has a deadline, so a hang fails the test instead of the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from budget import ENV, script
-from test_distributed import free_port
+from budget import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -136,21 +131,7 @@ def reference() -> tuple[list, list]:
 
 
 def test_oom_on_one_rank_in_backward_or_forward_hangs_no_one_and_weights_stay_exact():
-    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="3", TF_CPP_MIN_LOG_LEVEL="3")
-    procs = [subprocess.Popen([sys.executable, "-c", script(WORKER)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(env, RANK=str(rank))) for rank in range(3)]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=240)
-            assert proc.returncode == 0, stderr[-3000:]
-            outputs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()  # a hang fails the test instead of the suite
+    outputs = run_ranks(WORKER)
     # the hungry rank split its batch; the others ran whole batches; later steps reuse the size
     assert outputs[1]["sizes"][:3] == [[64, 32], [32], [32]], outputs[1]["sizes"]
     assert outputs[2]["sizes"][3:] == [[64, 32], [32]], outputs[2]["sizes"]
