@@ -245,10 +245,26 @@ class MemoryScope:
         losses[2] (21.0 MiB)``."""
         return _leak_line(self.leaks, self.retained)
 
-    def close(self) -> None:
-        """End an open scope now: clean up and measure, as leaving the ``with`` block does."""
-        if self._active:
-            self.__exit__(None, None, None)
+    def close(self, *, cleanup: bool = True, judge: bool = True) -> None:
+        """End an open scope now: clean up and measure, as leaving the ``with`` block does.
+
+        ``cleanup=False`` only measures (for a scope closed inside an ``except``, where the
+        traceback still holds what a collection would have to free); ``judge=False`` skips
+        the ``max_leak`` verdict (a run that failed is not judged).
+
+        >>> import memguard
+        >>> scope = memguard.memory_scope("step", max_leak="1GiB").__enter__()
+        >>> scope.close(cleanup=False, judge=False)
+        >>> scope.freed
+        0
+        """
+        if not self._active:
+            return
+        if not cleanup:
+            self.cleanup, self._policy = False, None
+        if not judge:
+            self.max_leak = None
+        self.__exit__(None, None, None)
 
     def _title(self) -> str:
         return f"memory_scope {self.name!r}" if self.name else "memory_scope"

@@ -112,13 +112,8 @@ class Tracker:
         calls ``on_exception`` inside its ``except``, where the traceback still holds the
         failed frames: a collection there costs ~70 ms and frees nothing they hold; whoever
         handles the error (``oom_retry``) cleans up after it."""
-        scope.max_leak = None  # a run that failed is not judged
-        # MemoryScope has no public way to drop the cleanup of an open scope: its policy is
-        # read from ``cleanup`` when it is made and kept in ``_policy``.
-        scope.cleanup = False
-        scope._policy = None
         try:
-            scope.__exit__(None, None, None)
+            scope.close(cleanup=False, judge=False)
         except Exception as exc:  # noqa: BLE001 - closing after a failure must not fail
             log.warning("closing %s after a failure failed: %s", scope.name, exc)
 
