@@ -1,20 +1,19 @@
-"""Sizes in bytes: parse ``"512MiB"`` / ``"1.5GB"`` and format byte counts in binary units."""
+"""Sizes in bytes and their text: parse ``"512MiB"`` / ``"1.5GB"``, format byte counts in binary
+units, lay rows out as a table."""
 
 from __future__ import annotations
 
 import re
 import reprlib
-from typing import Any, Union
+from typing import Sequence, Union
 
 Size = Union[int, str]
 
-_FACTORS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
-}
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+# What a user's size means: "K"/"KiB" binary, "kB" decimal, "B" or nothing bytes.
+_FACTORS = {"": 1, "b": 1, **{prefix + suffix: (1000 if suffix == "b" else 1024) ** power
+                               for prefix, power in _POWERS.items() if prefix
+                               for suffix in ("", "ib", "b")}}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 MAX_SIZE = 2**63 - 1
@@ -71,20 +70,16 @@ def parse_optional_size(value: Size | None, name: str) -> int | None:
     return None if value is None else parse_size(value, name)
 
 
-def positive_int(value: Any, name: str) -> int:
-    """``value`` if it is an int (not a bool) of at least 1, else a ``ValueError`` naming ``name``
-    and the value: the one check for counts such as ``top`` or a batch size.
+def binary_unit(unit: str) -> int:
+    """Bytes in one ``unit`` as the frameworks' messages mean it: binary, whatever the
+    spelling (MPS writes ``MB`` for MiB); ``KeyError`` for a unit that is not one.
 
-    >>> positive_int(3, "top")
-    3
-    >>> positive_int(True, "top")
-    Traceback (most recent call last):
-    ...
-    ValueError: top must be a positive int, got True
+    >>> binary_unit("MiB"), binary_unit("MB"), binary_unit("bytes")
+    (1048576, 1048576, 1)
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    key = unit.lower()
+    key = "" if key in ("b", "bytes") else key.removesuffix("ib").removesuffix("b")
+    return 1024 ** _POWERS[key]
 
 
 def format_bytes(n: int | None, signed: bool = False) -> str:
@@ -101,3 +96,20 @@ def format_bytes(n: int | None, signed: bool = False) -> str:
             break
         value /= 1024
     return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.1f} {unit}"
+
+
+def format_table(rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """Rows of cells as aligned text columns, two spaces apart: the first ``left`` columns
+    flush left (names), the others flush right (figures); trailing spaces dropped.
+
+    >>> print(format_table([("device", "used"), ("host", "1.0 MiB"), ("cuda:0", "12 B")]))
+    device     used
+    host    1.0 MiB
+    cuda:0     12 B
+    """
+    if not rows:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i < left else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+                     for row in rows)

@@ -11,6 +11,8 @@ microseconds, so the ``"auto"`` policy reads first and acts only on what it sees
    above (memory outside the allocators, such as Python objects), collect as in 1.
 
 ``"always"`` is the common recipe: a full collection and every cache emptied, every time.
+``"never"`` only measures. Every guard that cleans up (``memory_scope``, ``frees_memory``,
+``inference_mode``, the trainer callbacks) takes these three values as ``cleanup=``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,47 @@ import dataclasses
 import gc
 import logging
 import traceback
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Optional
 
-from .backends import Backend, Reading, active_backends, resolve_devices
+from ._checks import deprecated
+from .errors import chained
+from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
 
 log = logging.getLogger("memguard")
 
+Cleanup = Literal["auto", "always", "never"]
+CLEANUPS = ("auto", "always", "never")
 Policy = Literal["auto", "always"]
-POLICIES = ("auto", "always")
+"""A cleanup that acts: what a :class:`Settler` applies."""
 Readings = dict[str, Reading]
 Pairs = list[tuple[Backend, str]]
+
+
+def cleanup_mode(value: Any, who: str) -> Cleanup:
+    """``value`` checked as a ``cleanup=`` argument: ``"auto"``, ``"always"`` or ``"never"``.
+    ``True`` and ``False`` (the older spelling of ``"auto"`` and ``"never"``) still work with a
+    ``DeprecationWarning``; anything else is a ``ValueError`` naming ``who`` and the value.
+
+    >>> cleanup_mode("always", "memory_scope")
+    'always'
+    >>> cleanup_mode("yes", "memory_scope")
+    Traceback (most recent call last):
+    ...
+    ValueError: memory_scope: cleanup must be 'auto', 'always' or 'never', got 'yes'
+    """
+    if value is True or value is False:
+        new = "auto" if value else "never"
+        deprecated(f"{who}: cleanup={value} is deprecated; write cleanup={new!r}")
+        return new
+    if isinstance(value, str) and value in CLEANUPS:
+        return value  # type: ignore[return-value]
+    raise ValueError(f"{who}: cleanup must be 'auto', 'always' or 'never', got {value!r}")
+
+
+def settler_for(cleanup: Cleanup, adaptive: bool = False) -> Optional["Settler"]:
+    """The :class:`Settler` that applies ``cleanup``; ``None`` for ``"never"``."""
+    return None if cleanup == "never" else Settler(cleanup, adaptive=adaptive)
 
 
 def read_all(pairs: Pairs) -> Readings:
@@ -40,18 +72,19 @@ def read_all(pairs: Pairs) -> Readings:
             out[device] = backend.read_fast(device)
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
             log.warning("cannot read %s: %s", device, exc)
-            out[device] = (None, None)
+            out[device] = UNKNOWN
     return out
 
 
-def _growth(now: Readings, entry: Readings, field: int, device: str) -> int:
-    a, b = now.get(device, (None, None))[field], entry.get(device, (None, None))[field]
+def _growth(now: Readings, entry: Readings, field: LevelField, device: str) -> int:
+    a = getattr(now.get(device, UNKNOWN), field)
+    b = getattr(entry.get(device, UNKNOWN), field)
     return 0 if a is None or b is None else a - b
 
 
 def released(before: Readings, after: Readings) -> int:
     """Bytes of ``reserved`` memory given back between two readings (>= 0)."""
-    return sum(max(0, -_growth(after, before, 1, d)) for d in after if d in before)
+    return sum(max(0, -_growth(after, before, "reserved", d)) for d in after if d in before)
 
 
 def empty_caches(backends: Iterable[Backend]) -> None:
@@ -107,16 +140,9 @@ def drop_frames(exc: BaseException) -> None:
     freed while the exception object itself lives on (frames still running are left as
     they are). Call it inside ``except``; collect outside it, once ``exc`` is dropped.
     """
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [exc]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in chained(exc, context=True):
         if current.__traceback__ is not None:
             traceback.clear_frames(current.__traceback__)
-        stack += [current.__cause__, current.__context__]
 
 
 class _Backoff:
@@ -159,7 +185,7 @@ class Settler:
     """
 
     def __init__(self, policy: Policy = "auto", adaptive: bool = False) -> None:
-        if policy not in POLICIES:
+        if policy not in ("auto", "always"):
             raise ValueError(f"policy must be 'auto' or 'always', got {policy!r}")
         self.policy = policy
         self.adaptive = adaptive
@@ -196,11 +222,11 @@ class Settler:
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
     def _held(pairs: Pairs, now: Readings, entry: Readings) -> list[str]:
-        return [d for b, d in pairs if _growth(now, entry, 0, d) > b.hold_tolerance]
+        return [d for b, d in pairs if _growth(now, entry, "allocated", d) > b.hold_tolerance]
 
     @staticmethod
     def _swollen(pairs: Pairs, now: Readings, entry: Readings) -> list[Backend]:
-        return list({b: None for b, d in pairs if _growth(now, entry, 1, d) > b.reserve_tolerance})
+        return list({b: None for b, d in pairs if _growth(now, entry, "reserved", d) > b.reserve_tolerance})
 
     def _gc_ready(self) -> bool:
         return not self.adaptive or self._gc.ready()

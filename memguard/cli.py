@@ -5,50 +5,45 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import platform
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import __version__
-from ._units import format_bytes, parse_size
+from ._checks import positive_int, positive_number
+from ._units import format_bytes, format_table, parse_size
 
 ENVIRONMENT = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
                "TF_FORCE_GPU_ALLOW_GROWTH", "TF_GPU_ALLOCATOR", "TF_ENABLE_ONEDNN_OPTS",
                "CUDA_VISIBLE_DEVICES", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
 
 
-def _positive_size(text: str) -> int:
-    try:
-        value = parse_size(text, "size")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}; "
-                                         f"for example 768MiB")
-    return value
+def _argument(read: Callable[[str], Any], check: Callable[..., Any],
+              **options: Any) -> Callable[[str], Any]:
+    """An argparse ``type``: the text read, then checked as the API checks it (one message)."""
+    def convert(text: str) -> Any:
+        try:
+            return check(read(text), "the value", **options)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
-    return value
+def _number(kind: type) -> Callable[[str], Any]:
+    def read(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"not a {'whole ' if kind is int else ''}number: {text!r}") from None
+    return read
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+_positive_int = _argument(_number(int), positive_int)
+_positive_float = _argument(_number(float), positive_number)
+_positive_size = _argument(lambda text: parse_size(text, "the size"), positive_int,
+                           hint="; for example 768MiB")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,7 +173,7 @@ def info(as_json: bool, tensorflow: bool = True) -> int:
               format_bytes(d.get("used")), format_bytes(d.get("free"))) for d in data["devices"]]
     rows += [(f"TF {g['device']}", g["name"], "-", "-", "-")
              for g in data.get("tensorflow_gpus", [])]
-    print(_table(rows))
+    print(format_table(rows, left=2))
     print()
     if data["environment"]:
         print("allocator settings:")
@@ -192,13 +187,6 @@ def info(as_json: bool, tensorflow: bool = True) -> int:
             for pid, used in gpu["processes"].items():
                 print(f"  GPU {gpu['index']}: process {pid} uses {format_bytes(used)}")
     return 0
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-                     for row in rows)
 
 
 # -- watch -----------------------------------------------------------------------------------------

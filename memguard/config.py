@@ -7,7 +7,9 @@ import os
 import warnings
 from typing import Any, Optional
 
+from ._checks import flag, fraction, positive_int
 from ._units import Size, format_bytes, parse_size
+from .backends import check_device
 from .backends.host import limit_address_space, restore_address_space
 from .backends import tensorflow as tf_backend
 from .backends import torch as torch_backend
@@ -41,23 +43,16 @@ def _validated(max_split_size_mb: Any, expandable_segments: Any,
                garbage_collection_threshold: Any, backend: Any,
                roundup_power2_divisions: Any) -> dict[str, str]:
     settings: dict[str, str] = {}
+    who = "configure_allocator"
     if max_split_size_mb is not None:
-        if isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, int) \
-                or max_split_size_mb <= 20:
-            raise ValueError(f"configure_allocator: max_split_size_mb must be an int above 20 "
-                             f"(MiB), got {max_split_size_mb!r}")
-        settings["max_split_size_mb"] = str(max_split_size_mb)
+        settings["max_split_size_mb"] = str(positive_int(
+            max_split_size_mb, "max_split_size_mb", minimum=21, who=who, hint=" (MiB)"))
     if expandable_segments is not None:
-        if not isinstance(expandable_segments, bool):
-            raise ValueError(f"configure_allocator: expandable_segments must be True or False, "
-                             f"got {expandable_segments!r}")
-        settings["expandable_segments"] = str(expandable_segments)
+        settings["expandable_segments"] = str(flag(expandable_segments, "expandable_segments",
+                                                   who=who))
     if garbage_collection_threshold is not None:
-        value = garbage_collection_threshold
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-            raise ValueError(f"configure_allocator: garbage_collection_threshold must be a "
-                             f"fraction between 0 and 1 (exclusive), got {value!r}")
-        settings["garbage_collection_threshold"] = repr(float(value))
+        settings["garbage_collection_threshold"] = repr(fraction(
+            garbage_collection_threshold, "garbage_collection_threshold", who=who))
     if backend is not None:
         if backend not in _BACKENDS:
             raise ValueError(f"configure_allocator: backend must be 'native' or "
@@ -115,8 +110,7 @@ def tf_memory_growth(enable: bool = True) -> int:
     >>> memguard.tf_memory_growth()  # doctest: +SKIP
     0
     """
-    if not isinstance(enable, bool):
-        raise TypeError(f"tf_memory_growth: enable must be True or False, got {enable!r}")
+    flag(enable, "enable", who="tf_memory_growth")
     try:
         return tf_backend.set_memory_growth(enable)
     except ImportError:
@@ -169,8 +163,7 @@ def _checked_device(device: Any) -> str:
     if device is None:
         return torch_backend.available_cuda_device() or "host"
     if not isinstance(device, str):
-        raise TypeError(f"memory_limit: device must be a string such as 'host' or 'cuda:0', "
-                        f"got {device!r} of type {type(device).__name__}")
+        check_device(device, "memory_limit: device")  # the one message for a wrong type
     if device.upper().startswith("GPU"):
         raise RuntimeError(
             f"memory_limit: TensorFlow GPUs ({device}) can only be limited before "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+from ._units import binary_unit
 
 
 class MemguardError(Exception):
@@ -17,11 +19,13 @@ class MemoryLeakError(MemguardError):
     ``max_leak`` in bytes.
 
     >>> import memguard
+    >>> kept = []
     >>> try:
     ...     with memguard.memory_scope(max_leak="1MiB"):
-    ...         pass
+    ...         kept.append(bytearray(16 * 2**20))
     ... except memguard.MemoryLeakError as err:
-    ...     print(err.retained)
+    ...     print(sorted(err.retained), err.limit)
+    ['host'] 1048576
     """
 
     def __init__(self, message: str, retained: Mapping[str, int], limit: int) -> None:
@@ -83,6 +87,47 @@ _WORKER = re.compile(r"\ACaught \w+ in DataLoader worker process \d+\.\n")
 _FRAME = re.compile(r'^  File "[^\n]*\n(?:    [^\n]*\n)*', re.MULTILINE)
 
 
+def chained(exc: Any, *, context: bool = False) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from (its ``__cause__`` chain), each once,
+    outermost first; with ``context=True`` also every ``__context__`` (all that a traceback
+    shows). Nothing for what is not an exception.
+
+    >>> try:
+    ...     try:
+    ...         raise KeyError("inner")
+    ...     except KeyError as inner:
+    ...         raise ValueError("outer") from inner
+    ... except ValueError as exc:
+    ...     [type(e).__name__ for e in chained(exc)]
+    ['ValueError', 'KeyError']
+    """
+    seen: set[int] = set()
+    stack: list[Any] = [exc]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if context:
+            stack.append(current.__context__)
+        stack.append(current.__cause__)
+
+
+def _recognised(exc: Any) -> Optional[tuple[BaseException, str]]:
+    """The first exception along ``exc``'s ``__cause__`` chain that a rule recognises as an
+    out-of-memory, with the rule; the walk stops at anything outside ``Exception``."""
+    # Only Exceptions: KeyboardInterrupt, SystemExit, GeneratorExit, CancelledError (and
+    # anything else outside Exception) are control flow, never an out-of-memory.
+    for current in chained(exc):
+        if not isinstance(current, Exception):
+            return None
+        kind = _own_kind(current)
+        if kind is not None:
+            return current, kind
+    return None
+
+
 def oom_kind(exc: Any) -> str | None:
     """Which rule recognises ``exc`` (or an exception in its ``__cause__`` chain) as an
     out-of-memory, or ``None`` when none does (the rules are :func:`is_oom_error`'s).
@@ -91,17 +136,8 @@ def oom_kind(exc: Any) -> str | None:
     >>> oom_kind(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     'CUDA caching allocator'
     """
-    seen: set[int] = set()
-    current = exc
-    # Only Exceptions: KeyboardInterrupt, SystemExit, GeneratorExit, CancelledError (and
-    # anything else outside Exception) are control flow, never an out-of-memory.
-    while isinstance(current, Exception) and id(current) not in seen:
-        seen.add(id(current))
-        kind = _own_kind(current)
-        if kind is not None:
-            return kind
-        current = current.__cause__
-    return None
+    found = _recognised(exc)
+    return None if found is None else found[1]
 
 
 def _own_kind(exc: BaseException) -> str | None:
@@ -156,8 +192,6 @@ def is_oom_error(exc: Any) -> bool:
 
 
 # What the failed allocation asked for, as the frameworks state it.
-_UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-          "PiB": 1 << 50, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
 _REQUEST_PATTERNS = (
     re.compile(r"you tried to allocate (\d+) bytes"),                      # torch CPU
     re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)"),  # CUDA, MPS
@@ -183,36 +217,34 @@ def requested_bytes(exc: Any) -> Optional[int]:
     >>> requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     20971520
     """
-    seen: set[int] = set()
-    current = exc
-    while isinstance(current, BaseException) and id(current) not in seen:
-        seen.add(id(current))
+    for current in chained(exc):
         text = str(current)
         for pattern in _REQUEST_PATTERNS:
             match = pattern.search(text)
             if match:
                 unit = match.group(2) if pattern.groups > 1 else "B"
-                return int(float(match.group(1)) * _UNITS[unit])
+                return int(float(match.group(1)) * binary_unit(unit))
         match = _TF_TENSOR.search(text)
         if match and match.group(2) in _TF_DTYPES:
             count = 1
             for dim in match.group(1).replace(" ", "").split(","):
                 count *= int(dim) if dim else 1
             return count * _TF_DTYPES[match.group(2)]
-        current = current.__cause__
     return None
 
 
 def oom_device(exc: Any) -> str:
     """The device an out-of-memory ran out on, as memguard names it: ``"cuda:N"`` (or
     ``"cuda"`` when the message does not say which) for CUDA's errors, ``"host"`` for the CPU
-    allocator, ``MemoryError``, file mappings and anything else.
+    allocator, ``MemoryError``, file mappings and anything else. The message read is that of
+    the out-of-memory itself, wherever it stands along the ``__cause__`` chain.
 
     >>> oom_device(RuntimeError("CUDA out of memory. GPU 1 has a total capacity of 79 GiB"))
     'cuda:1'
     """
-    kind = oom_kind(exc) or ""
-    text = str(exc)
+    found = _recognised(exc)
+    source, kind = found if found is not None else (exc, "")
+    text = str(source)
     match = _GPU_INDEX.search(text)
     if match:
         return f"cuda:{match.group(1)}"

@@ -12,6 +12,7 @@ import os
 import warnings
 from typing import Any, Callable, Optional, TypeVar
 
+from ._checks import positive_int
 from ._decorate import guard
 from ._locks import ForkSafeLock
 from .backends import torch as torch_backend
@@ -74,9 +75,7 @@ class RecordHistory:
                  on_oom_only: bool = True) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"record_history: path must be a string, got {path!r}")
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"record_history: max_entries must be a positive int, got "
-                             f"{max_entries!r}")
+        positive_int(max_entries, "max_entries", who="record_history")
         self.path = os.fspath(path)
         self.max_entries = max_entries
         self.on_oom_only = on_oom_only

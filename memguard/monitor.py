@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import csv
-import math
 import threading
 import time
 from typing import Any, Optional
 
+from ._checks import positive_int, positive_number
 from ._events import listen, unlisten
 from ._locks import ForkSafeLock
-from .backends import DeviceMemory, Devices, resolve_devices
+from .backends import DeviceMemory, Devices, Reading, resolve_devices
 from .cleanup import Pairs, read_all
 
 MAX_LISTED_MARKS = 40  # marks listed beside a plot; later ones are counted
@@ -44,14 +44,10 @@ class MemoryMonitor:
 
     def __init__(self, interval: float = 0.1, devices: Devices = None,
                  max_samples: int = 100_000) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) \
-                or not math.isfinite(interval) or interval <= 0:
-            raise ValueError(f"MemoryMonitor: interval must be a positive, finite number of "
-                             f"seconds, got {interval!r}; for example interval=0.1")
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 2:
-            raise ValueError(f"MemoryMonitor: max_samples must be an int of at least 2, got "
-                             f"{max_samples!r}; the default, 100000, is about 50 MiB")
-        self.interval = float(interval)
+        self.interval = positive_number(interval, "interval", unit="seconds",
+                                        who="MemoryMonitor", hint="; for example interval=0.1")
+        positive_int(max_samples, "max_samples", minimum=2, who="MemoryMonitor",
+                     hint="; the default, 100000, is about 50 MiB")
         self.devices = devices
         self.max_samples = max_samples
         self.samples: list[tuple[float, dict[str, DeviceMemory]]] = []
@@ -109,11 +105,12 @@ class MemoryMonitor:
     def _sample(self) -> None:
         now = time.time()
         readings = read_all(self._pairs)
-        memory = {d: DeviceMemory(d, allocated=a, reserved=r) for d, (a, r) in readings.items()}
+        memory = {d: DeviceMemory(d, allocated=r.allocated, reserved=r.reserved)
+                  for d, r in readings.items()}
         with self._lock:
             self._record(now, memory)
             for backend, device in self._pairs:
-                level = readings[device][backend.level_field]
+                level = backend.level(readings[device])
                 if level is not None and level > self.peak.get(device, -1):
                     self.peak[device] = level
 
@@ -257,13 +254,12 @@ class MemoryMonitor:
 
 def _merge(a: dict[str, DeviceMemory], b: dict[str, DeviceMemory]) -> dict[str, DeviceMemory]:
     """Two samples as one: per device, the larger ``allocated`` and ``reserved``."""
-    def larger(x: Optional[int], y: Optional[int]) -> Optional[int]:
-        return y if x is None else x if y is None else max(x, y)
-
     out = dict(a)
     for device, m in b.items():
         old = out.get(device)
-        out[device] = m if old is None else DeviceMemory(
-            device, allocated=larger(old.allocated, m.allocated),
-            reserved=larger(old.reserved, m.reserved))
+        if old is None:
+            out[device] = m
+        else:
+            high = Reading(old.allocated, old.reserved).higher(Reading(m.allocated, m.reserved))
+            out[device] = DeviceMemory(device, allocated=high.allocated, reserved=high.reserved)
     return out

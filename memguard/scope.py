@@ -12,14 +12,15 @@ import gc
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, overload
 
 from ._decorate import function_kind, guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
-from .backends import Backend, Devices, check_devices
-from .cleanup import POLICIES, Pairs, Policy, Readings, Settler, read_all
+from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
+from ._checks import deprecated, flag, positive_int
+from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, read_all, settler_for
 from .errors import MemoryLeakError
 from .snapshot import MemorySnapshot, snapshot
 from .tensors import TensorInfo, created_since, describe_leaks, live_tensors, tensor_ids
@@ -74,22 +75,7 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
 peak_book = _PeakBook()
 
 
-def _level(backend: Backend, reading: tuple[Optional[int], Optional[int]]) -> Optional[int]:
-    return reading[backend.level_field]
-
-
-def _policy(cleanup: Union[bool, str]) -> Optional[Policy]:
-    if cleanup is True:
-        return "auto"
-    if cleanup is False:
-        return None
-    if cleanup in POLICIES:
-        return cleanup  # type: ignore[return-value]
-    raise ValueError(f"cleanup must be True, False, 'auto' or 'always', got {cleanup!r}")
-
-
-def _in_use(backend: Backend, reading: Optional[tuple[Optional[int], Optional[int]]]
-            ) -> Optional[int]:
+def _in_use(backend: Backend, reading: Optional[Reading]) -> Optional[int]:
     return None if reading is None else backend.in_use(reading)
 
 
@@ -132,18 +118,24 @@ class MemoryScope:
     churn moves it; ``reserved_growth`` is the change of ``reserved`` beside it (the resident
     set on the host, the allocator's cache on a GPU). On the host ``peak`` is the resident
     set's high-water mark.
+
+    >>> import memguard
+    >>> scope = memguard.memory_scope("epoch", cleanup="never")
+    >>> with scope:
+    ...     block = bytearray(8 * 2**20)
+    >>> scope.retained["host"] >= 8 * 2**20, scope.freed
+    (True, 0)
     """
 
     def __init__(self, name: Optional[str] = None, *, devices: Devices = None,
-                 cleanup: Union[bool, str] = True, max_leak: Optional[Size] = None,
+                 cleanup: Cleanup = "auto", max_leak: Optional[Size] = None,
                  track_tensors: bool = False) -> None:
         self.name = name
         self.devices = check_devices(devices)
-        self.track_tensors = track_tensors
+        self.track_tensors = flag(track_tensors, "track_tensors", who="memory_scope")
         self.leaks: list[TensorInfo] = []
         self._tensors_before: dict[int, Any] = {}
-        self.cleanup = cleanup
-        self._policy = _policy(cleanup)
+        self.cleanup: Cleanup = cleanup_mode(cleanup, "memory_scope")
         self.max_leak = parse_optional_size(max_leak, "max_leak")
         self.before: Optional[MemorySnapshot] = None
         self.after: Optional[MemorySnapshot] = None
@@ -199,12 +191,14 @@ class MemoryScope:
         emit(f"exit {self._title()}")
         self.peak = peak_book.exit(id(self), self._pairs)
         assert self.before is not None
-        entry: Readings = {d: (m.allocated, m.reserved) for d, m in self.before.devices.items()}
-        if self._policy is not None:
-            self.freed = Settler(self._policy).settle(self._pairs, entry).freed
+        entry: Readings = {d: Reading(m.allocated, m.reserved)
+                           for d, m in self.before.devices.items()}
+        settler = settler_for(self.cleanup)
+        if settler is not None:
+            self.freed = settler.settle(self._pairs, entry).freed
         self.after = snapshot([d for _, d in self._pairs])
         self._measure(entry)
-        if (self._policy is not None and self.max_leak is not None
+        if (settler is not None and self.max_leak is not None
                 and any(n > self.max_leak for n in self.retained.values())):
             # A verdict never rests on a collection the policy found unneeded (growth under
             # its tolerance, a young-generation pass): collect in full before blaming the block.
@@ -219,11 +213,11 @@ class MemoryScope:
     def _measure(self, entry: Readings) -> None:
         assert self.after is not None
         for backend, device in self._pairs:
-            after = (self.after[device].allocated, self.after[device].reserved)
+            after = Reading(self.after[device].allocated, self.after[device].reserved)
             kept = _growth(_in_use(backend, entry[device]), _in_use(backend, after))
             self.retained[device] = 0 if kept is None else max(0, kept)
-            self.reserved_growth[device] = _growth(entry[device][1], after[1])
-            start, end = _level(backend, entry[device]), _level(backend, after)
+            self.reserved_growth[device] = _growth(entry[device].reserved, after.reserved)
+            start, end = backend.level(entry[device]), backend.level(after)
             if self.peak.get(device) is None and start is not None and end is not None:
                 self.peak[device] = max(start, end)
 
@@ -245,23 +239,24 @@ class MemoryScope:
         losses[2] (21.0 MiB)``."""
         return _leak_line(self.leaks, self.retained)
 
-    def close(self, *, cleanup: bool = True, judge: bool = True) -> None:
+    def close(self, *, cleanup: Optional[Cleanup] = None, judge: bool = True) -> None:
         """End an open scope now: clean up and measure, as leaving the ``with`` block does.
 
-        ``cleanup=False`` only measures (for a scope closed inside an ``except``, where the
-        traceback still holds what a collection would have to free); ``judge=False`` skips
-        the ``max_leak`` verdict (a run that failed is not judged).
+        ``cleanup`` overrides the scope's own for this exit: ``"never"`` only measures (for a
+        scope closed inside an ``except``, where the traceback still holds what a collection
+        would have to free); ``judge=False`` skips the ``max_leak`` verdict (a run that
+        failed is not judged).
 
         >>> import memguard
         >>> scope = memguard.memory_scope("step", max_leak="1GiB").__enter__()
-        >>> scope.close(cleanup=False, judge=False)
+        >>> scope.close(cleanup="never", judge=False)
         >>> scope.freed
         0
         """
         if not self._active:
             return
-        if not cleanup:
-            self.cleanup, self._policy = False, None
+        if cleanup is not None:
+            self.cleanup = cleanup_mode(cleanup, "MemoryScope.close")
         if not judge:
             self.max_leak = None
         self.__exit__(None, None, None)
@@ -302,17 +297,18 @@ class MemoryScope:
 def memory_scope(name: F) -> F: ...
 @overload
 def memory_scope(name: Optional[str] = None, *, devices: Devices = None,
-                 cleanup: Union[bool, str] = True, max_leak: Optional[Size] = None,
+                 cleanup: Cleanup = "auto", max_leak: Optional[Size] = None,
                  track_tensors: bool = False) -> MemoryScope: ...
 
 
-def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Union[bool, str] = True,
+def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup = "auto",
                  max_leak: Optional[Size] = None, track_tensors: bool = False) -> Any:
     """Measure a block's memory and clean up after it; a context manager and a decorator.
 
     On entry it snapshots every watched device (``devices``: a name, a list, or all active
-    ones) and starts peak tracking; on exit it cleans up (``cleanup=True`` is the fast
-    ``"auto"`` policy, ``"always"`` collects and empties every cache, ``False`` only measures)
+    ones) and starts peak tracking; on exit it cleans up (``cleanup="auto"``, the default, reads
+    first and collects or empties caches only where memory is still held, ``"always"`` collects
+    and empties every cache, ``"never"`` only measures)
     and fills ``before``, ``after``, ``peak``, ``retained``, ``reserved_growth`` and ``freed``.
     ``retained`` is on what the allocators hand out (glibc's in-use bytes on the host, mmapped
     blocks included; ``allocated`` on GPUs), never on the resident set, which
@@ -353,10 +349,7 @@ def _leak_line(leaks: list[TensorInfo], retained: dict[str, int]) -> str:
 
 def _lower(a: Readings, b: Readings) -> Readings:
     """Per device and field, the lower of two readings (``b`` may lack devices)."""
-    def low(x: Optional[int], y: Optional[int]) -> Optional[int]:
-        return x if y is None else (y if x is None else min(x, y))
-
-    return {d: (low(r[0], b[d][0]), low(r[1], b[d][1])) if d in b else r for d, r in a.items()}
+    return {d: r.lower(b[d]) if d in b else r for d, r in a.items()}
 
 
 class _FreesMemory:
@@ -372,14 +365,14 @@ class _FreesMemory:
     judged.
     """
 
-    def __init__(self, what: str, every: int, policy: Policy, max_leak: Optional[int],
+    def __init__(self, what: str, every: int, cleanup: Cleanup, max_leak: Optional[int],
                  recursion: bool, warmup: int = 0, track_tensors: bool = False) -> None:
         self.what = what
         self.every = every
         self.max_leak = max_leak
         self.warmup = warmup
         self.track_tensors = track_tensors
-        self.settler = Settler(policy, adaptive=True)
+        self.settler = settler_for(cleanup, adaptive=True)
         # reentrant: a finaliser that the cleanup's collection runs may call the function
         self.lock = ForkSafeLock(reentrant=True)
         self.calls = 0
@@ -432,16 +425,20 @@ class _Call:
             if shared.calls % shared.every:
                 return
             try:
-                outcome = shared.settler.settle(self.pairs, _lower(self.entry, shared.baseline))
-            except Exception:  # noqa: BLE001
+                if shared.settler is None:  # cleanup="never": measure only
+                    after = read_all(self.pairs)
+                else:
+                    after = shared.settler.settle(self.pairs,
+                                                  _lower(self.entry, shared.baseline)).after
+            except Exception:  # noqa: BLE001 - a failed cleanup never masks the call's error
                 if exc_type is None:
                     raise
                 log.exception("cleanup after %s failed while it raised", shared.what)
                 return
-            shared.baseline = outcome.after
+            shared.baseline = after
         if not judged or (shared.max_leak is None and not shared.track_tensors):
             return
-        limit, after = shared.max_leak, outcome.after
+        limit = shared.max_leak
         over = self._over(after, limit)
         if over and limit is not None:
             # The verdict never rests on a cleanup the policy skipped or cut short (a backed-off
@@ -458,7 +455,7 @@ class _Call:
         self.tensors = {}
         if over and limit is not None:
             message = _leak_message(shared.what, over, limit, {
-                d: _growth(self.entry.get(d, (None, None))[1], after.get(d, (None, None))[1])
+                d: _growth(self.entry.get(d, UNKNOWN).reserved, after.get(d, UNKNOWN).reserved)
                 for d in over})
             if leaks:
                 message += "; " + _leak_line(leaks, over)
@@ -479,18 +476,19 @@ class _Call:
         return over
 
 
-def frees_memory(func: Optional[F] = None, /, *, every: int = 1, policy: Policy = "auto",
+def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
                  max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False) -> Any:
+                 track_tensors: bool = False, policy: Optional[Cleanup] = None) -> Any:
     """Clean up after every call (or every ``every``-th call) of the decorated function.
 
     Works as ``@frees_memory`` and ``@frees_memory(...)`` on functions, methods,
     classmethods, staticmethods, ``async def`` functions (cleanup after the await) and
     generator functions (cleanup when the generator finishes or is closed). Cleanup runs
-    whether the call returned or raised. ``policy="auto"`` reads memory first (microseconds) and
-    collects garbage or empties caches only when the call left memory above its entry level,
-    backing off from work that keeps proving useless; ``"always"`` collects and empties every
-    cache every time. ``max_leak`` raises :class:`MemoryLeakError` when a device kept more
+    whether the call returned or raised. ``cleanup="auto"`` reads memory first (microseconds)
+    and collects garbage or empties caches only when the call left memory above its entry
+    level, backing off from work that keeps proving useless; ``"always"`` collects and empties
+    every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
+    alone). ``policy=`` is the older name of ``cleanup=`` (deprecated). ``max_leak`` raises :class:`MemoryLeakError` when a device kept more
     over the call's own run (with ``every > 1``, checked on the calls that clean up), on what
     the allocators hand out (``allocated``; glibc's in-use bytes on the host), never on the
     resident set; before raising it collects in full, so a collection the policy skipped never
@@ -516,20 +514,18 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, policy: Policy 
     >>> train_step([1, 2, 3])
     6
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"frees_memory: every must be a positive int, got {every!r}")
-    if policy not in POLICIES:
-        raise ValueError(f"frees_memory: policy must be 'auto' or 'always', got {policy!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"frees_memory: warmup must be an int >= 0 (the calls not judged "
-                         f"for max_leak), got {warmup!r}")
-    if not isinstance(track_tensors, bool):
-        raise TypeError(f"frees_memory: track_tensors must be True or False, got "
-                        f"{track_tensors!r}")
+    positive_int(every, "every", who="frees_memory")
+    if policy is not None:
+        deprecated(f"frees_memory: policy= is deprecated; write cleanup={policy!r}")
+        cleanup = policy
+    mode = cleanup_mode(cleanup, "frees_memory")
+    positive_int(warmup, "warmup", minimum=0, who="frees_memory",
+                 hint=" (the calls not judged for max_leak)")
+    flag(track_tensors, "track_tensors", who="frees_memory")
     limit = parse_optional_size(max_leak, "max_leak")
 
     def decorate(f: F) -> F:
-        shared = _FreesMemory(name_of(f), every, policy, limit,
+        shared = _FreesMemory(name_of(f), every, mode, limit,
                               recursion=function_kind(f) != "generator", warmup=warmup,
                               track_tensors=track_tensors)
         return guard(f, shared.call, "frees_memory")

@@ -7,7 +7,7 @@ import time
 import types
 from typing import Any, Iterator, Mapping, Optional
 
-from ._units import format_bytes
+from ._units import format_bytes, format_table
 from .backends import DeviceMemory, Devices, resolve_devices
 from .backends.budget import Budget, budget
 
@@ -82,10 +82,7 @@ class MemorySnapshot:
         rows = [("device",) + _FIELDS]
         rows += [(name,) + tuple(format_bytes(getattr(mem, f), signed=self.delta) for f in _FIELDS)
                  for name, mem in self.devices.items()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                           for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-                 for row in rows]
+        lines = [format_table(rows)]
         lines += [f"budget {b}" for b in self.budgets.values()]
         return "\n".join(lines)
 

@@ -16,7 +16,8 @@ import types
 import weakref
 from typing import Any, Callable, Optional
 
-from ._units import Size, format_bytes, parse_size, positive_int
+from ._checks import positive_int
+from ._units import Size, format_bytes, format_table, parse_size
 from .backends import check_device, resolve_devices
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -634,9 +635,10 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
     return f"{type(ref).__qualname__} object {attribute}"
 
 
-def memory_report(top: int = 20, device: Optional[str] = None) -> str:
-    """A table of the largest storages, grouped by device, dtype and shape, with totals; on
-    ``device`` only when given (as in :func:`live_tensors`).
+def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:
+    """A table of the ``top`` largest storages, grouped by device, dtype and shape, with
+    totals; on ``device`` only when given (as in :func:`live_tensors`, whose order of
+    parameters it follows: the device first, the rest by keyword).
 
     Per device it also gives, where the backend knows it, the gap between the census total
     and the allocator's ``allocated`` figure: buffers that autograd keeps in C++ (saved
@@ -648,7 +650,10 @@ def memory_report(top: int = 20, device: Optional[str] = None) -> str:
     cpu     float32  [10000, 1024]      1    39.1 MiB
     ...
     """
-    positive_int(top, "memory_report: top")
+    if isinstance(device, int) and not isinstance(device, bool):
+        raise TypeError(f"memory_report: the first parameter is the device, got {device!r}; "
+                        f"write memory_report(top={device}) for the {device} largest groups")
+    positive_int(top, "top", who="memory_report")
     _check_tensor_device(device, "memory_report: device")
     groups: dict[tuple[str, str, tuple[int, ...]], list[int]] = {}
     totals: dict[str, int] = {}
@@ -666,10 +671,7 @@ def memory_report(top: int = 20, device: Optional[str] = None) -> str:
     if len(ranked) > top:
         rest = sum(size for _, (_, size) in ranked[top:])
         rows.append(("...", "", f"{len(ranked) - top} more groups", "", format_bytes(rest)))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-             for row in rows]
+    lines = [format_table(rows, left=3)]
     lines.append("")
     for dev, total in sorted(totals.items()):
         line = f"{dev}: {format_bytes(total)} in live tensors"

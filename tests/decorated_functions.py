@@ -43,7 +43,7 @@ def scoped(x: int) -> int:
     return x * 2
 
 
-@memguard.memory_scope("named", cleanup=False)
+@memguard.memory_scope("named", cleanup="never")
 def scoped_named(x: int) -> int:
     return x * 3
 

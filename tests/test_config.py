@@ -35,16 +35,18 @@ def test_configure_allocator_merges_with_what_is_there(clean_alloc_env, monkeypa
     assert os.environ["PYTORCH_ALLOC_CONF"] == text
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_split_size_mb": 20}, "max_split_size_mb must be an int above 20"),
-    ({"max_split_size_mb": "128"}, "max_split_size_mb"),
-    ({"expandable_segments": "yes"}, "expandable_segments must be True or False"),
-    ({"garbage_collection_threshold": 1.0}, "garbage_collection_threshold must be a fraction"),
-    ({"backend": "cudaMalloc"}, "backend must be 'native' or 'cudaMallocAsync'"),
-    ({"roundup_power2_divisions": 3}, "roundup_power2_divisions must be a power of two"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_split_size_mb": 20}, ValueError, r"max_split_size_mb must be an int >= 21, got 20"),
+    ({"max_split_size_mb": "128"}, ValueError, "max_split_size_mb"),
+    ({"expandable_segments": "yes"}, TypeError, "expandable_segments must be True or False"),
+    ({"garbage_collection_threshold": 1.0}, ValueError,
+     r"garbage_collection_threshold must be a number between 0 and 1 \(exclusive\)"),
+    ({"backend": "cudaMalloc"}, ValueError, "backend must be 'native' or 'cudaMallocAsync'"),
+    ({"roundup_power2_divisions": 3}, ValueError,
+     "roundup_power2_divisions must be a power of two"),
 ])
-def test_configure_allocator_validates(clean_alloc_env, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_configure_allocator_validates(clean_alloc_env, kwargs, error, match):
+    with pytest.raises(error, match=match):
         memguard.configure_allocator(**kwargs)
     assert "PYTORCH_ALLOC_CONF" not in os.environ
 

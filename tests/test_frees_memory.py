@@ -77,7 +77,7 @@ def test_auto_policy_collects_only_when_memory_is_held():
 
 
 def test_always_policy_collects_every_call():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     def light():
         return 1
 
@@ -88,7 +88,7 @@ def test_always_policy_collects_every_call():
 
 
 def test_every_n_calls():
-    @memguard.frees_memory(every=3, policy="always")
+    @memguard.frees_memory(every=3, cleanup="always")
     def light():
         return 1
 
@@ -243,7 +243,7 @@ def test_generator_send_and_return_value_pass_through():
 
 
 def test_recursive_calls_clean_once_at_the_outermost():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     def depth(n):
         return 0 if n == 0 else 1 + depth(n - 1)
 
@@ -255,7 +255,7 @@ def test_recursive_calls_clean_once_at_the_outermost():
 @pytest.mark.parametrize("kwargs, match", [
     ({"every": 0}, "every must be a positive int"),
     ({"every": 1.5}, "every must be a positive int"),
-    ({"policy": "never"}, "policy must be"),
+    ({"cleanup": "sometimes"}, "cleanup must be 'auto', 'always' or 'never', got 'sometimes'"),
     ({"max_leak": "lots"}, "'lots'"),
 ])
 def test_bad_options_are_refused_at_decoration(kwargs, match):

@@ -89,7 +89,7 @@ def test_max_leak_spares_the_warm_up_epoch_and_names_the_holder():
 
 
 def test_cleanup_false_only_measures():
-    callback = MemguardCallback(cleanup=False)
+    callback = MemguardCallback(cleanup="never")
     trainer(callback, max_epochs=1).fit(Tiny(), DataLoader(DATA, batch_size=16))
     assert callback.scopes[0].freed == 0 and callback.scopes[0].cleanup is False
 

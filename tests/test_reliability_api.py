@@ -20,7 +20,7 @@ def test_memory_scope_refuses_devices_that_are_not_names():
     with pytest.raises(TypeError, match=r"devices: expected None .*got 5 of type int"):
         with memguard.memory_scope(devices=5):
             pass
-    with pytest.raises(TypeError, match=r"devices: device names are strings .*got 5 of type int"):
+    with pytest.raises(TypeError, match=r"devices must be a string such as .*got 5 of type int"):
         memguard.snapshot(["host", 5])
 
 
@@ -112,10 +112,21 @@ def test_is_keras_model_tells_keras_models_and_layers_from_anything_else(python_
 
 # -- logging ------------------------------------------------------------------------------------
 class _Broken(Backend):
+    """A backend whose driver went away: every reading and every emptying fails."""
+
     name = "broken"
 
-    def read_fast(self, device: str):
+    def devices(self) -> list:
+        return ["dev:0"]
+
+    def owns(self, device: str) -> bool:
+        return device.startswith("dev")
+
+    def read(self, device: str):
         raise OSError("the driver went away")
+
+    def reset_peak(self, device: str) -> bool:
+        return False
 
     def empty_cache(self) -> None:
         raise OSError("no cache here")

@@ -33,7 +33,7 @@ def settled():
 @pytest.mark.slow
 @pytest.mark.parametrize("every, expected", [(1, 10), (5, 2)])
 def test_overlapping_asyncio_calls_each_clean_up(every, expected):
-    @memguard.frees_memory(every=every, policy="always")
+    @memguard.frees_memory(every=every, cleanup="always")
     async def step(i):
         await asyncio.sleep(0)  # every task is inside the call before any leaves it
         return i
@@ -47,7 +47,7 @@ def test_overlapping_asyncio_calls_each_clean_up(every, expected):
 
 
 def test_async_recursion_still_cleans_once_at_the_outermost():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     async def depth(n):
         await asyncio.sleep(0)
         return 0 if n == 0 else 1 + await depth(n - 1)
@@ -58,7 +58,7 @@ def test_async_recursion_still_cleans_once_at_the_outermost():
 
 
 def test_interleaved_generators_each_clean_up():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     def numbers(n):
         yield from range(n)
 
@@ -71,7 +71,7 @@ def test_interleaved_generators_each_clean_up():
 
 
 def test_a_generator_left_open_does_not_stop_later_cleanups():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     def numbers(n):
         yield from range(n)
 
@@ -85,7 +85,7 @@ def test_a_generator_left_open_does_not_stop_later_cleanups():
 
 
 def test_a_generator_closed_on_another_thread_does_not_stop_later_cleanups():
-    @memguard.frees_memory(policy="always")
+    @memguard.frees_memory(cleanup="always")
     def numbers(n):
         yield from range(n)
 
@@ -191,7 +191,7 @@ def test_fork_while_another_thread_is_inside_memguard_never_hangs_the_child():
 
         stop = threading.Event()
 
-        @memguard.frees_memory(policy="always")
+        @memguard.frees_memory(cleanup="always")
         def step():
             junk = [bytearray(1 << 16) for _ in range(50)]
             junk.append(junk)
@@ -310,7 +310,7 @@ def test_a_finaliser_calling_the_function_during_its_cleanup_does_not_deadlock(
             def __del__(self):
                 step(leave_cycle=False)
 
-        @memguard.frees_memory(policy="always")
+        @memguard.frees_memory(cleanup="always")
         def step(leave_cycle=True):
             calls.append(leave_cycle)
             if leave_cycle:

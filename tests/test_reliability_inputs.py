@@ -62,7 +62,7 @@ def test_a_real_fast_monitor_stays_bounded_and_keeps_every_mark():
 @pytest.mark.parametrize("value", [0, 1, 2.5, True, "100"])
 def test_max_samples_is_checked(value):
     with pytest.raises(ValueError,
-                       match=f"max_samples must be an int of at least 2, got {value!r}"):
+                       match=f"max_samples must be an int >= 2, got {value!r}"):
         memguard.MemoryMonitor(max_samples=value)
 
 

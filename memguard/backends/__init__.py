@@ -12,14 +12,14 @@ import re
 import sys
 from typing import Iterable, Optional, Union
 
-from .base import Backend, DeviceMemory, Reading, is_keras_model
+from .base import UNKNOWN, Backend, DeviceMemory, LevelField, Reading, is_keras_model
 from .host import HOST, HostBackend
 from .tensorflow import TensorFlowBackend
 from .torch import TorchBackend
 
-__all__ = ["Backend", "DeviceMemory", "Reading", "HOST", "activate", "active_backends",
-           "check_device", "check_devices", "host", "is_keras_model", "resolve_devices",
-           "list_devices"]
+__all__ = ["Backend", "DeviceMemory", "LevelField", "Reading", "UNKNOWN", "HOST", "activate",
+           "active_backends", "check_device", "check_devices", "host", "is_keras_model",
+           "level_field", "resolve_devices", "list_devices"]
 
 log = logging.getLogger("memguard")
 
@@ -80,7 +80,7 @@ def check_device(device: object, name: str = "device") -> str:
     ValueError: device: unknown device 'cuda:x'; use 'host', 'cuda', 'cuda:0', 'xpu:0', 'mps' or 'GPU:0'
     """
     if not isinstance(device, str):
-        raise TypeError(f"{name}: device names are strings such as 'host' or 'cuda:0', got "
+        raise TypeError(f"{name} must be a string such as 'host' or 'cuda:0', got "
                         f"{device!r} of type {type(device).__name__}")
     if not _NAME_RE.fullmatch(device) or _owner(device, imported_only=False) is None:
         raise ValueError(f"{name}: unknown device {device!r}; use {EXAMPLES}")
@@ -132,6 +132,18 @@ def resolve_devices(devices: Devices = None) -> list[tuple[Backend, str]]:
             name = backend.normalise(name)
         pairs.append((backend, name))
     return pairs
+
+
+def level_field(device: str) -> LevelField:
+    """The figure of ``device``'s memory that its peak follows and its budgets count
+    (:attr:`Backend.level_field`): ``"reserved"`` (the resident set) on the host,
+    ``"allocated"`` on every other device, whether or not its framework is imported.
+
+    >>> level_field("host"), level_field("cuda:0")
+    ('reserved', 'allocated')
+    """
+    backend = _owner(device, imported_only=False)
+    return backend.level_field if backend is not None else "allocated"
 
 
 def _owner(name: str, imported_only: bool = True) -> Optional[Backend]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Literal, NamedTuple, Optional
 
 from .._units import format_bytes
 
@@ -45,26 +46,60 @@ class DeviceMemory:
         return f"{self.device}: " + (", ".join(parts) if parts else "nothing known")
 
 
-Reading = tuple[Optional[int], Optional[int]]
-"""A cheap reading of one device: ``(allocated, reserved)``."""
+class Reading(NamedTuple):
+    """A cheap reading of one device (:meth:`Backend.read_fast`), in bytes; ``None`` where the
+    backend cannot tell.
+
+    >>> Reading(100, 4096).reserved
+    4096
+    """
+
+    allocated: Optional[int]
+    reserved: Optional[int]
+
+    def lower(self, other: "Reading") -> "Reading":
+        """Per field, the lower of two readings (the known one where only one is known).
+
+        >>> Reading(5, None).lower(Reading(7, 9))
+        Reading(allocated=5, reserved=9)
+        """
+        return Reading(_pick(min, self.allocated, other.allocated),
+                       _pick(min, self.reserved, other.reserved))
+
+    def higher(self, other: "Reading") -> "Reading":
+        """Per field, the higher of two readings (the known one where only one is known)."""
+        return Reading(_pick(max, self.allocated, other.allocated),
+                       _pick(max, self.reserved, other.reserved))
 
 
-class Backend:
+def _pick(choose: Callable[[int, int], int], x: Optional[int], y: Optional[int]) -> Optional[int]:
+    return y if x is None else x if y is None else choose(x, y)
+
+
+UNKNOWN = Reading(None, None)
+"""The reading of a device that could not be read."""
+
+LevelField = Literal["allocated", "reserved"]
+
+
+class Backend(abc.ABC):
     """One source of memory figures (a framework, or the host process).
 
-    Subclasses implement every method; none may initialise a device just to look at it.
-    ``hold_tolerance`` is the growth in ``allocated`` that counts as "still held" for the
-    automatic cleanup policy, ``reserve_tolerance`` the growth of unused cache that is worth
-    emptying without a garbage collection. ``level_field`` says which reading a device's
-    peak counter follows: ``allocated`` (0) on devices, the resident set (1) on the host.
-    Leak verdicts (``retained``, ``max_leak``) are always on :meth:`in_use`.
+    Subclasses implement the abstract methods (:meth:`devices`, :meth:`owns`, :meth:`read`,
+    :meth:`reset_peak`, :meth:`empty_cache`); :meth:`read_fast` and :meth:`read_peak` derive
+    from :meth:`read` unless a backend has a cheaper way. None may initialise a device just to
+    look at it. ``hold_tolerance`` is the growth in ``allocated`` that counts as "still held"
+    for the automatic cleanup policy, ``reserve_tolerance`` the growth of unused cache that is
+    worth emptying without a garbage collection. Leak verdicts (``retained``, ``max_leak``)
+    are always on :meth:`in_use`.
     """
 
     name: str = "?"
     hold_tolerance: int = 1 << 20
     reserve_tolerance: int = 64 << 20
-    level_field: int = 0
-    """Which of ``(allocated, reserved)`` a device's peak counter follows."""
+    level_field: LevelField = "allocated"
+    """The figure a device's peak counter follows and its memory budgets count: ``allocated``
+    on devices, ``reserved`` (the resident set) on the host."""
 
     @staticmethod
     def in_use(reading: Reading) -> Optional[int]:
@@ -72,40 +107,49 @@ class Backend:
         taken on: ``allocated`` (glibc's ``mallinfo2`` on the host, the caching allocator's
         ``allocated`` on a GPU), ``reserved`` where the backend cannot tell ``allocated``.
 
-        >>> Backend.in_use((100, 4096)), Backend.in_use((None, 4096))
+        >>> Backend.in_use(Reading(100, 4096)), Backend.in_use(Reading(None, 4096))
         (100, 4096)
         """
-        allocated, reserved = reading
-        return reserved if allocated is None else allocated
+        return reading.reserved if reading.allocated is None else reading.allocated
 
+    def level(self, memory: Reading | DeviceMemory) -> Optional[int]:
+        """The figure of ``memory`` (a reading or a :class:`DeviceMemory`) that this backend's
+        peak counter follows and budgets count (see ``level_field``).
+
+        >>> from memguard.backends import host
+        >>> host.level(Reading(100, 4096))
+        4096
+        """
+        return getattr(memory, self.level_field)
+
+    @abc.abstractmethod
     def devices(self) -> list[str]:
         """Names of the devices this backend can read now."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def owns(self, device: str) -> bool:
         """Whether ``device`` is a name this backend answers for."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, device: str) -> DeviceMemory:
         """Everything known about ``device``'s memory."""
-        raise NotImplementedError
 
     def read_fast(self, device: str) -> Reading:
         """``(allocated, reserved)`` of ``device``, as cheaply as possible (microseconds)."""
         mem = self.read(device)
-        return mem.allocated, mem.reserved
+        return Reading(mem.allocated, mem.reserved)
 
     def read_peak(self, device: str) -> Optional[int]:
         """The device's peak counter (bytes), or ``None`` if it has none."""
         return self.read(device).peak
 
+    @abc.abstractmethod
     def reset_peak(self, device: str) -> bool:
         """Reset the device's peak counter to its current level; ``False`` if it cannot."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def empty_cache(self) -> None:
         """Hand the allocator's unused cache back to the system (or driver)."""
-        raise NotImplementedError
 
 
 def subclasses(*roots: type, excluding: frozenset[str] = frozenset()) -> set[type]:

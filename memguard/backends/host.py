@@ -98,7 +98,7 @@ class HostBackend(Backend):
     name = "host"
     hold_tolerance = 4 << 20
     reserve_tolerance = 16 << 20
-    level_field = 1
+    level_field = "reserved"
 
     def __init__(self) -> None:
         self._lock = ForkSafeLock()
@@ -154,7 +154,7 @@ class HostBackend(Backend):
     def read_fast(self, device: str = HOST) -> Reading:
         rss = self.rss()
         used = self.malloc_in_use()
-        return (rss if used is None else used), rss
+        return Reading(rss if used is None else used, rss)
 
     def read_peak(self, device: str = HOST) -> Optional[int]:
         rss = self.rss()

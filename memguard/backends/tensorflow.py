@@ -15,7 +15,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
-from .base import Backend, DeviceMemory, Reading, subclasses
+from .base import UNKNOWN, Backend, DeviceMemory, Reading, subclasses
 
 log = logging.getLogger("memguard")
 
@@ -59,7 +59,7 @@ class TensorFlowBackend(Backend):
 
     def read_fast(self, device: str) -> Reading:
         info = self._info(device)
-        return (None, None) if info is None else (int(info["current"]), None)
+        return UNKNOWN if info is None else Reading(int(info["current"]), None)
 
     def _info(self, device: str) -> Optional[dict[str, int]]:
         try:

@@ -1,8 +1,9 @@
 """PyTorch devices: CUDA (and ROCm, which torch exposes as ``cuda``), MPS and XPU.
 
 ``torch.accelerator``'s memory API (torch 2.9+) is preferred where it serves the device's type;
-``torch.cuda`` / ``torch.xpu`` / ``torch.mps`` otherwise. A device type is read only once the
-process has initialised it itself: looking never initialises CUDA or XPU.
+``torch.cuda`` / ``torch.xpu`` / ``torch.mps`` otherwise. CUDA and XPU are read only once the
+process has initialised them itself: looking never initialises either. MPS has no such state to
+ask and nothing to start: it is read as soon as torch reports it available.
 CPU tensors live in the host process and are measured by the host backend.
 """
 
@@ -12,7 +13,7 @@ import sys
 import weakref
 from typing import Any, Iterable, Optional
 
-from .base import Backend, DeviceMemory, Reading, subclasses
+from .base import UNKNOWN, Backend, DeviceMemory, Reading, subclasses
 
 
 def _torch() -> Any:
@@ -27,7 +28,7 @@ def _split(device: str) -> tuple[str, int]:
 
 
 class TorchBackend(Backend):
-    """Memory of torch's accelerators that this process has initialised."""
+    """Memory of torch's accelerators that this process has initialised (MPS once available)."""
 
     name = "torch"
     hold_tolerance = 1 << 20
@@ -88,13 +89,13 @@ class TorchBackend(Backend):
     def read_fast(self, device: str) -> Reading:
         kind, index = _split(device)
         if not self._ready(kind):
-            return None, None
+            return UNKNOWN
         torch = _torch()
         if kind == "mps":
-            return (int(torch.mps.current_allocated_memory()),
-                    int(torch.mps.driver_allocated_memory()))
+            return Reading(int(torch.mps.current_allocated_memory()),
+                           int(torch.mps.driver_allocated_memory()))
         api = self._accelerator(kind) or getattr(torch, kind)
-        return int(api.memory_allocated(index)), int(api.memory_reserved(index))
+        return Reading(int(api.memory_allocated(index)), int(api.memory_reserved(index)))
 
     def read_peak(self, device: str) -> Optional[int]:
         kind, index = _split(device)

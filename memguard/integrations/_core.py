@@ -10,10 +10,12 @@ step-level readings of ``log_every_n_steps``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+from .._checks import flag, optional_positive_int
 from .._units import Size, parse_optional_size
 from ..backends import Backend, resolve_devices
+from ..cleanup import Cleanup, cleanup_mode
 from ..errors import MemoryLeakError, is_oom_error
 from ..retry import Attempt, error_text, memory_summary
 from ..scope import MemoryScope, memory_scope
@@ -26,28 +28,18 @@ PREFIX = {TRAIN: "memory", VAL: "val_memory"}
 
 
 def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
-                  log_every_n_steps: Any) -> tuple[Optional[int], bool, Union[bool, str],
-                                                   Optional[int]]:
+                  log_every_n_steps: Any) -> tuple[Optional[int], bool, Cleanup, Optional[int]]:
     """The callbacks' parameters, checked; each wrong value is a ``ValueError`` or
     ``TypeError`` that names it.
 
-    >>> check_options("64MiB", False, True, None)
-    (67108864, False, True, None)
+    >>> check_options("64MiB", False, "auto", None)
+    (67108864, False, 'auto', None)
     """
-    limit = parse_optional_size(max_leak, "max_leak")
-    if not isinstance(track_tensors, bool):
-        raise TypeError(f"MemguardCallback: track_tensors must be True or False, got "
-                        f"{track_tensors!r}")
-    try:  # memory_scope's own check of its cleanup policy
-        memory_scope(cleanup=cleanup)
-    except ValueError as exc:
-        raise ValueError(f"MemguardCallback: {exc}") from None
-    if log_every_n_steps is not None and (isinstance(log_every_n_steps, bool)
-                                          or not isinstance(log_every_n_steps, int)
-                                          or log_every_n_steps < 1):
-        raise ValueError(f"MemguardCallback: log_every_n_steps must be None or a positive int, "
-                         f"got {log_every_n_steps!r}")
-    return limit, track_tensors, cleanup, log_every_n_steps
+    who = "MemguardCallback"
+    return (parse_optional_size(max_leak, "max_leak"),
+            flag(track_tensors, "track_tensors", who=who),
+            cleanup_mode(cleanup, who),
+            optional_positive_int(log_every_n_steps, "log_every_n_steps", who=who))
 
 
 class Tracker:
@@ -55,14 +47,14 @@ class Tracker:
     each kind ended (the first is the warm-up, judged by no ``max_leak``), the last step seen
     and the failures recorded.
 
-    >>> tracker = Tracker("demo", None, False, True, None)
+    >>> tracker = Tracker("demo", None, False, "auto", None)
     >>> tracker.begin("train")
     >>> sorted(tracker.end("train")[0])[:1]
     ['memory/host/allocated']
     """
 
     def __init__(self, framework: str, max_leak: Optional[Size], track_tensors: bool,
-                 cleanup: Union[bool, str], log_every_n_steps: Optional[int]) -> None:
+                 cleanup: Cleanup, log_every_n_steps: Optional[int]) -> None:
         (self.max_leak, self.track_tensors, self.cleanup,
          self.log_every_n_steps) = check_options(max_leak, track_tensors, cleanup,
                                                  log_every_n_steps)
@@ -113,7 +105,7 @@ class Tracker:
         failed frames: a collection there costs ~70 ms and frees nothing they hold; whoever
         handles the error (``oom_retry``) cleans up after it."""
         try:
-            scope.close(cleanup=False, judge=False)
+            scope.close(cleanup="never", judge=False)
         except Exception as exc:  # noqa: BLE001 - closing after a failure must not fail
             log.warning("closing %s after a failure failed: %s", scope.name, exc)
 
@@ -215,7 +207,7 @@ class CallbackBase:
     _framework = "memguard"
 
     def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
-                 cleanup: Union[bool, str] = True,
+                 cleanup: Cleanup = "auto",
                  log_every_n_steps: Optional[int] = None) -> None:
         super().__init__()
         self._tracker = Tracker(self._framework, max_leak, track_tensors, cleanup,

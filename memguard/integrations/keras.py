@@ -32,7 +32,7 @@ class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
     ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch that retains
     more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked tensors and their
     holders with ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end
-    (``True``: ``"auto"``; ``"always"``; ``False``: measure only).
+    (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
 
     Keras tells its callbacks nothing about an exception: pass ``on_retry=callback.on_retry``
     to the ``oom_retry`` around ``fit``, and an out-of-memory is logged at WARNING on the

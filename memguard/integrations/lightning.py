@@ -31,8 +31,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     (readings that cost microseconds). ``max_leak`` (bytes or ``"256MiB"``): from the second
     epoch on (the first is the warm-up), an epoch that retains more raises
     :class:`memguard.MemoryLeakError`, naming the biggest leaked tensors and their holders with
-    ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end (``True``:
-    ``"auto"``; ``"always"``; ``False``: measure only); nothing is done per step.
+    ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end (``"auto"``,
+    ``"always"`` or ``"never"``, as for ``memory_scope``); nothing is done per step.
 
     An out-of-memory during ``fit`` is logged at WARNING on the ``memguard`` logger with the
     memory at the failure, the batch size and the step (also kept in ``failures``); the open

@@ -33,7 +33,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     (bytes or ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch
     that retains more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked
     tensors and their holders with ``track_tensors=True``. ``cleanup`` is the scope's policy
-    at each epoch's end (``True``: ``"auto"``; ``"always"``; ``False``: measure only).
+    at each epoch's end (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
 
     The ``Trainer`` tells its callbacks nothing about an exception: pass
     ``on_retry=callback.on_retry`` to the ``oom_retry`` around ``train``, and an

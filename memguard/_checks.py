@@ -1,0 +1,112 @@
+"""Argument checks: one place says what a count, a fraction or a flag must be.
+
+Each check returns the value it accepted and raises an error that names the parameter, the
+value and, where given, the caller (``who``) and a hint, so every public function refuses bad
+input the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from typing import Any, Optional
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _prefix(who: Optional[str]) -> str:
+    return f"{who}: " if who else ""
+
+
+def positive_int(value: Any, name: str, *, minimum: int = 1, who: Optional[str] = None,
+                 hint: str = "") -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``, else a ``ValueError``
+    naming ``name`` and the value: the one check for counts such as ``top`` or a batch size.
+
+    >>> positive_int(3, "top")
+    3
+    >>> positive_int(True, "top")
+    Traceback (most recent call last):
+    ...
+    ValueError: top must be a positive int, got True
+    >>> positive_int(-1, "warmup", minimum=0, who="frees_memory")
+    Traceback (most recent call last):
+    ...
+    ValueError: frees_memory: warmup must be an int >= 0, got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{_prefix(who)}{name} must be {what}, got {value!r}{hint}")
+    return value
+
+
+def optional_positive_int(value: Any, name: str, *, who: Optional[str] = None) -> Optional[int]:
+    """:func:`positive_int`, passing ``None`` through.
+
+    >>> optional_positive_int(None, "log_every_n_steps") is None
+    True
+    """
+    if value is None:
+        return None
+    return positive_int(value, name, who=who, hint="" if who is None else " (or None)")
+
+
+def fraction(value: Any, name: str, *, include_zero: bool = False,
+             who: Optional[str] = None) -> float:
+    """``value`` as a float if it is a number strictly between 0 and 1 (or from 0 with
+    ``include_zero``), else a ``ValueError`` naming ``name`` and the value.
+
+    >>> fraction(0.5, "factor")
+    0.5
+    >>> fraction(1, "factor")
+    Traceback (most recent call last):
+    ...
+    ValueError: factor must be a number between 0 and 1 (exclusive), got 1
+    """
+    low_ok = (lambda v: v >= 0) if include_zero else (lambda v: v > 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (low_ok(value) and value < 1):
+        span = "in [0, 1)" if include_zero else "between 0 and 1 (exclusive)"
+        raise ValueError(f"{_prefix(who)}{name} must be a number {span}, got {value!r}")
+    return float(value)
+
+
+def positive_number(value: Any, name: str, *, unit: str = "", who: Optional[str] = None,
+                    hint: str = "") -> float:
+    """``value`` as a float if it is a positive, finite number (of ``unit``), else a
+    ``ValueError``.
+
+    >>> positive_number(0.1, "interval", unit="seconds")
+    0.1
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        of = f" of {unit}" if unit else ""
+        raise ValueError(f"{_prefix(who)}{name} must be a positive, finite number{of}, got "
+                         f"{value!r}{hint}")
+    return float(value)
+
+
+def flag(value: Any, name: str, *, who: Optional[str] = None) -> bool:
+    """``value`` if it is ``True`` or ``False``, else a ``TypeError`` naming ``name``.
+
+    >>> flag(1, "track_tensors", who="frees_memory")
+    Traceback (most recent call last):
+    ...
+    TypeError: frees_memory: track_tensors must be True or False, got 1
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{_prefix(who)}{name} must be True or False, got {value!r}")
+    return value
+
+
+def deprecated(message: str) -> None:
+    """Warn with a ``DeprecationWarning`` pointing at the first caller outside memguard, so
+    the warning names the user's line however deep inside memguard the old spelling is read.
+    """
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
