@@ -22,17 +22,27 @@ imported for the first time in the process is not judged for leaks (its peak sti
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import pytest
 
 from ._units import format_bytes, parse_optional_size, parse_size
-from .backends import check_devices
+from .backends import check_devices, level_field
 from .scope import MemoryScope
 from .tensors import describe_leaks
 
+
+
+class Limits(NamedTuple):
+    """A guarded test's limits, in bytes (``None``: not checked), and its devices."""
+
+    max_leak: Optional[int]
+    max_peak: Optional[int]
+    devices: Optional[tuple[str, ...]]
+
+
 _SCOPE = pytest.StashKey[MemoryScope]()
-_LIMITS = pytest.StashKey[tuple]()
+_LIMITS = pytest.StashKey[Optional[Limits]]()
 DEFAULT_MAX_LEAK = "1MiB"
 FRAMEWORKS = ("torch", "tensorflow")
 _warmed: set[str] = set()
@@ -73,8 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(exc)) from None
 
 
-def _limits(item: pytest.Item) -> Optional[tuple[Optional[int], Optional[int], Any]]:
-    """``(max_leak, max_peak, devices)`` for the item, or None when it is not guarded.
+def _limits(item: pytest.Item) -> Optional[Limits]:
+    """The item's :class:`Limits`, or None when it is not guarded.
 
     A marker without ``max_leak`` takes ``--memguard-max-leak``, else 1 MiB. A bad marker fails
     the test at setup with one line naming it (as pytest does for a bad ``skipif``).
@@ -83,20 +93,20 @@ def _limits(item: pytest.Item) -> Optional[tuple[Optional[int], Optional[int], A
         return item.stash[_LIMITS]
     marker = item.get_closest_marker("memguard")
     option = item.config.getoption("--memguard-max-leak")
-    if marker is None and option is None:
-        limits = None
-    else:
+    limits: Optional[Limits] = None
+    if marker is not None or option is not None:
         kwargs = dict(marker.kwargs) if marker is not None else {}
         unknown = sorted(set(kwargs) - {"max_leak", "max_peak", "devices"})
         if unknown or (marker is not None and marker.args):
-            got = [repr(arg) for arg in marker.args] + [f"{key}=" for key in unknown]
+            args = marker.args if marker is not None else ()
+            got = [repr(arg) for arg in args] + [f"{key}=" for key in unknown]
             pytest.fail(f"{item.nodeid}: the memguard marker takes max_leak, max_peak and "
                         f"devices as keywords, got {', '.join(got)}", pytrace=False)
         max_leak = kwargs.get("max_leak", DEFAULT_MAX_LEAK if option is None else option)
         try:
-            limits = (parse_optional_size(max_leak, "max_leak"),
-                      parse_optional_size(kwargs.get("max_peak"), "max_peak"),
-                      check_devices(kwargs.get("devices")))
+            limits = Limits(parse_optional_size(max_leak, "max_leak"),
+                            parse_optional_size(kwargs.get("max_peak"), "max_peak"),
+                            check_devices(kwargs.get("devices")))
         except (TypeError, ValueError) as exc:
             pytest.fail(f"{item.nodeid}: bad memguard marker: {exc}", pytrace=False)
     item.stash[_LIMITS] = limits
@@ -111,7 +121,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _scope_for(item: pytest.Item) -> MemoryScope:
     if _SCOPE not in item.stash:
         limits = _limits(item)
-        devices = limits[2] if limits else None
+        devices = limits.devices if limits else None
         item.stash[_SCOPE] = MemoryScope(item.name, devices=devices, track_tensors=True)
     return item.stash[_SCOPE]
 
@@ -142,7 +152,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
         item.add_report_section("call", "memguard", (
             f"{item.name} imported {' and '.join(first)} for the first time in this process: "
             f"not judged for leaks (import it at the top of the test module to judge it)"))
-        limits = (None,) + tuple(limits[1:])
+        limits = limits._replace(max_leak=None)
     if limits is not None:
         failure = _failure(item, scope, limits)
         if failure:
@@ -150,11 +160,10 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
     return result
 
 
-def _failure(item: pytest.Item, scope: MemoryScope,
-             limits: tuple[Optional[int], Optional[int], Any]) -> str:
+def _failure(item: pytest.Item, scope: MemoryScope, limits: Limits) -> str:
     """The short failure text: a line per offending device, then what keeps the leaked
     tensors, in :func:`memguard.memory_scope`'s words (three groups at most)."""
-    max_leak, max_peak, _ = limits
+    max_leak, max_peak = limits.max_leak, limits.max_peak
     lines = []
     for device, retained in scope.retained.items():
         if max_leak is not None and retained > max_leak:
@@ -162,8 +171,7 @@ def _failure(item: pytest.Item, scope: MemoryScope,
                          f"(max_leak {format_bytes(max_leak)})")
     if max_peak is not None and scope.before is not None:
         for device, peak in scope.peak.items():
-            mem = scope.before[device]
-            start = mem.reserved if device == "host" else mem.allocated
+            start = getattr(scope.before[device], level_field(device))
             if peak is not None and start is not None and peak - start > max_peak:
                 lines.append(f"memguard: {item.name} rose {format_bytes(peak - start)} above its "
                              f"start on {device} (max_peak {format_bytes(max_peak)})")

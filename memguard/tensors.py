@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from ._checks import positive_int
 from ._units import Size, format_bytes, format_table, parse_size
 from .backends import check_device, resolve_devices
+from .backends.base import TensorRow
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 HOLDER_DEPTH = 8
@@ -26,7 +27,7 @@ HOLDER_SECONDS = 0.5
 HOLDER_PATHS = 3
 
 
-Rows = Callable[[list[Any], dict[int, str]], tuple[list[tuple], list[Any]]]
+Rows = Callable[[list[Any], dict[int, str]], tuple[list[TensorRow], list[Any]]]
 
 
 def _frameworks() -> dict[str, tuple[set[type], Rows]]:
@@ -72,11 +73,13 @@ def _device_matches(wanted: Optional[str], device: str) -> bool:
     return ":" not in wanted and device.split(":")[0] == wanted and device.endswith(":0")
 
 
-def _field(index: int, doc: str) -> Any:
+def _field(name: str, doc: str) -> Any:
+    index = TensorRow._fields.index(name)  # read by position: a census makes thousands
     return property(lambda info: info._row[index], doc=doc)
 
 
-_FIELDS = ("framework", "device", "dtype", "shape", "nbytes", "is_view", "name", "id")
+_REF = TensorRow._fields.index("ref")
+_FIELDS = TensorRow._fields[:_REF]  # what a TensorInfo is: every field but the weak reference
 
 
 class TensorInfo:
@@ -95,29 +98,29 @@ class TensorInfo:
     'float32[1000, 1000] 3.8 MiB on cpu'
     """
 
-    # One tuple per census row (the fields, then the weak reference) and the holder cache the
-    # census shares between its rows: a census builds 10,000 of these in a few milliseconds.
+    # One census row (a TensorRow: the fields, then the weak reference) and the holder cache
+    # the census shares between its rows: a census builds 10,000 of these in a few ms.
     __slots__ = ("_row", "_cache")
 
-    framework: str = _field(0, "``torch`` or ``tensorflow``.")  # type: ignore
-    device: str = _field(1, "``cpu``, ``cuda:0``, ``GPU:0``...")  # type: ignore
-    dtype: str = _field(2, "``float32``...")  # type: ignore
-    shape: tuple[int, ...] = _field(3, "The tensor's shape.")  # type: ignore
-    nbytes: int = _field(4, "Bytes of storage counted here.")  # type: ignore
-    is_view: bool = _field(5, "Whether it views another's storage.")  # type: ignore
-    name: Optional[str] = _field(6, "The parameter's name, if known.")  # type: ignore
-    id: int = _field(7, "``id()`` of the tensor.")  # type: ignore
+    framework: str = _field("framework", "``torch`` or ``tensorflow``.")  # type: ignore
+    device: str = _field("device", "``cpu``, ``cuda:0``, ``GPU:0``...")  # type: ignore
+    dtype: str = _field("dtype", "``float32``...")  # type: ignore
+    shape: tuple[int, ...] = _field("shape", "The tensor's shape.")  # type: ignore
+    nbytes: int = _field("nbytes", "Bytes of storage counted here.")  # type: ignore
+    is_view: bool = _field("is_view", "Whether it views another's storage.")  # type: ignore
+    name: Optional[str] = _field("name", "The parameter's name, if known.")  # type: ignore
+    id: int = _field("id", "``id()`` of the tensor.")  # type: ignore
 
     def __init__(self, framework: str, device: str, dtype: str, shape: tuple[int, ...],
                  nbytes: int, is_view: bool = False, name: Optional[str] = None,
                  id: int = 0, ref: Any = None) -> None:
-        _ROW_SLOT.__set__(self, (framework, device, dtype, tuple(shape), nbytes, is_view,
-                                 name, id, ref))
+        _ROW_SLOT.__set__(self, TensorRow(framework, device, dtype, tuple(shape), nbytes,
+                                          is_view, name, id, ref))
         _CACHE_SLOT.__set__(self, {})
 
     @property
     def _ref(self) -> Any:
-        return self._row[8]
+        return self._row.ref
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"TensorInfo is immutable: cannot set {name!r}")
@@ -128,10 +131,10 @@ class TensorInfo:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorInfo):
             return NotImplemented
-        return self._row[:8] == other._row[:8]
+        return self._row[:_REF] == other._row[:8]
 
     def __hash__(self) -> int:
-        return hash(self._row[:8])
+        return hash(self._row[:_REF])
 
     def __copy__(self) -> "TensorInfo":
         return self  # immutable
@@ -140,7 +143,7 @@ class TensorInfo:
         return self
 
     def __reduce__(self) -> tuple:
-        return TensorInfo, self._row[:8]  # pickled: the fields, not the weak reference
+        return TensorInfo, self._row[:_REF]  # pickled: the fields, not the weak reference
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{key}={value!r}" for key, value in zip(_FIELDS, self._row))
@@ -273,7 +276,7 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
         infos = []
         graphs: dict[str, Any] = {}
         for row in _census_rows(frameworks, names, graphs):
-            if row[4] < min_bytes or not _device_matches(device, row[1]):
+            if row.nbytes < min_bytes or not _device_matches(device, row.device):
                 continue
             info = new(TensorInfo)
             set_row(info, row)
@@ -290,12 +293,13 @@ _ROW_SLOT, _CACHE_SLOT = TensorInfo._row, TensorInfo._cache  # type: ignore[attr
 
 
 def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
-                 names: dict[int, str], graphs: Optional[dict[str, Any]] = None) -> list[tuple]:
+                 names: dict[int, str], graphs: Optional[dict[str, Any]] = None
+                 ) -> list[TensorRow]:
     """One row per tensor that owns memory: the fields of :class:`TensorInfo` and a weak
     reference, ``nbytes`` on the one row that counts each storage (the first tensor over it,
     a tensor that is not a view before views). With ``graphs`` (a dict), torch's autograd
     graphs are traced too (:func:`_trace_graphs`) and what they save is recorded there."""
-    rows: list[tuple] = []
+    rows: list[TensorRow] = []
     keys: list[Any] = []
     objects = _live_objects({cls for classes, _ in frameworks.values() for cls in classes})
     try:
@@ -314,16 +318,16 @@ def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
     owners: dict[Any, int] = {}  # storage -> index of the row that counts it
     for index, key in enumerate(keys):
         previous = owners.get(key)
-        if previous is None or (rows[previous][5] and not rows[index][5]):
+        if previous is None or (rows[previous].is_view and not rows[index].is_view):
             owners[key] = index
     counted = set(owners.values())
     for index, row in enumerate(rows):
         if index not in counted:  # another tensor counts this storage
-            rows[index] = row[:4] + (0,) + row[5:]
+            rows[index] = row._replace(nbytes=0)
     return rows
 
 
-def _trace_graphs(tensors: list[Any], rows: list[tuple], keys: list[Any],
+def _trace_graphs(tensors: list[Any], rows: list[TensorRow], keys: list[Any],
                   graphs: dict[str, Any]) -> None:
     """Record in ``graphs`` which live autograd graph saved each storage: ``"saved"`` maps a
     row's tensor id to its root's id, ``"roots"`` a root's id to ``(description, weak
@@ -338,12 +342,12 @@ def _trace_graphs(tensors: list[Any], rows: list[tuple], keys: list[Any],
     graphs.setdefault("roots", {}).update(roots)
     for row, key in zip(rows, keys):
         root = owner.get(key)
-        if root is not None and root != row[7]:
-            saved[row[7]] = root
+        if root is not None and root != row.id:
+            saved[row.id] = root
     for (device, dtype, shape, nbytes, key), root in extra:
         ident = -key[1]
-        rows.append(("torch", device, dtype, shape, nbytes, False, None, ident,
-                     roots[root][1]))
+        rows.append(TensorRow("torch", device, dtype, shape, nbytes, False, None, ident,
+                              roots[root][1]))
         keys.append(key)
         saved[ident] = root
 

@@ -51,7 +51,7 @@ def test_non_models_are_refused_by_position():
     model = mixed_model()
     with pytest.raises(TypeError, match="argument 1 is a str, not a torch.nn.Module"):
         memguard.inference_mode(model, "weights.pt")
-    with pytest.raises(TypeError, match="cleanup must be True or False"):
+    with pytest.raises(ValueError, match="cleanup must be 'auto', 'always' or 'never', got 'yes'"):
         memguard.inference_mode(model, cleanup="yes")
 
 

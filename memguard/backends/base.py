@@ -76,6 +76,21 @@ def _pick(choose: Callable[[int, int], int], x: Optional[int], y: Optional[int])
     return y if x is None else x if y is None else choose(x, y)
 
 
+class TensorRow(NamedTuple):
+    """One live tensor as a framework's census sees it: what :class:`memguard.TensorInfo`
+    reads, and a weak reference to the tensor (``None`` where it takes none)."""
+
+    framework: str
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    is_view: bool
+    name: Optional[str]
+    id: int
+    ref: Any
+
+
 UNKNOWN = Reading(None, None)
 """The reading of a device that could not be read."""
 

@@ -15,7 +15,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
-from .base import UNKNOWN, Backend, DeviceMemory, Reading, subclasses
+from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 log = logging.getLogger("memguard")
 
@@ -158,9 +158,11 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         return None
 
 
-def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple], list[Any]]:
+def census_rows(tensors: list[Any], names: dict[int, str]
+                ) -> tuple[list[TensorRow], list[Any]]:
     """The census rows of ``tensors`` and their storage keys (see the torch backend's)."""
-    rows, keys = [], []
+    rows: list[TensorRow] = []
+    keys: list[Any] = []
     for tensor in tensors:
         facts = tensor_facts(tensor)
         if facts is not None:
@@ -169,8 +171,8 @@ def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple],
                 ref = weakref.ref(tensor)
             except TypeError:
                 ref = None
-            rows.append(("tensorflow", device, dtype, shape, nbytes, is_view,
-                         names.get(id(tensor)), id(tensor), ref))
+            rows.append(TensorRow("tensorflow", device, dtype, shape, nbytes, is_view,
+                                  names.get(id(tensor)), id(tensor), ref))
             keys.append(key)
     return rows, keys
 

@@ -13,7 +13,7 @@ import sys
 import weakref
 from typing import Any, Iterable, Optional
 
-from .base import UNKNOWN, Backend, DeviceMemory, Reading, subclasses
+from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 
 def _torch() -> Any:
@@ -242,14 +242,15 @@ def dtype_name(key: Any) -> str:
     return name
 
 
-def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple], list[Any]]:
+def census_rows(tensors: list[Any], names: dict[int, str]
+                ) -> tuple[list[TensorRow], list[Any]]:
     """The census rows of ``tensors`` (those that own memory) and their storage keys.
 
-    A row is ``("torch", device, dtype, shape, storage bytes, is_view, name, id, weak
-    reference)``; ``names`` maps ids to parameter names. Tensors that own no memory (meta,
-    fake, empty, sparse and lazy ones) are left out.
+    ``nbytes`` of a row is its storage's bytes; ``names`` maps ids to parameter names. Tensors
+    that own no memory (meta, fake, empty, sparse and lazy ones) are left out.
     """
-    known, rows, keys = _names, [], []
+    known, keys = _names, []
+    rows: list[TensorRow] = []
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
     for tensor in tensors:
         try:
@@ -260,8 +261,9 @@ def census_rows(tensors: list[Any], names: dict[int, str]) -> tuple[list[tuple],
             device, dtype = tensor.device, tensor.dtype
             device = known.get(device) or dtype_name(device)
             ident = id(tensor)
-            add_row(("torch", device, known.get(dtype) or dtype_name(dtype), tensor.shape,
-                     storage.nbytes(), tensor._is_view(), names.get(ident), ident, ref(tensor)))
+            add_row(TensorRow("torch", device, known.get(dtype) or dtype_name(dtype),
+                              tensor.shape, storage.nbytes(), tensor._is_view(),
+                              names.get(ident), ident, ref(tensor)))
             add_key((device, pointer))
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             continue

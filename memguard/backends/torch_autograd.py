@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from .torch import dtype_name as _name
 
@@ -45,8 +45,14 @@ def _saved_of(node: Any, tensor_type: type) -> list[Any]:
     return out
 
 
-Saving = tuple[str, str, tuple[int, ...], int, tuple[str, int]]
-"""A saved storage no live Python tensor owns: ``(device, dtype, shape, bytes, key)``."""
+class Saving(NamedTuple):
+    """A storage an autograd graph saved: where, what, its bytes and its storage key."""
+
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    key: tuple[str, int]
 
 
 Root = tuple[str, Any]
@@ -110,9 +116,9 @@ def graph_savings(tensors: list[Any], known: set[tuple[str, int]]
                 done.add(id(node))
                 for saved in _saved_of(node, tensor_type):
                     row = _row(saved)
-                    if row is not None and row[4] not in owner:
-                        owner[row[4]] = ident
-                        if row[4] not in known:
+                    if row is not None and row.key not in owner:
+                        owner[row.key] = ident
+                        if row.key not in known:
                             extra.append((row, ident))
                     del saved
                 stack.extend(child for child, _ in _next(node)
@@ -144,8 +150,8 @@ def _row(tensor: Any) -> Optional[Saving]:
         if not pointer:
             return None
         device = _name(tensor.device)
-        return (device, _name(tensor.dtype), tuple(tensor.shape), storage.nbytes(),
-                (device, pointer))
+        return Saving(device, _name(tensor.dtype), tuple(tensor.shape), storage.nbytes(),
+                      (device, pointer))
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return None
 
