@@ -45,9 +45,7 @@ def _runtime_started() -> bool:
 class TensorFlowBackend(Backend):
     """Memory of TensorFlow's GPUs (``GPU:0``, ...)."""
 
-    name = "tensorflow"
-    hold_tolerance = 1 << 20
-    reserve_tolerance = 64 << 20
+    name = "tensorflow"  # the tolerances are Backend's
 
     def devices(self) -> list[str]:
         if not _runtime_started():

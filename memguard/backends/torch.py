@@ -30,9 +30,7 @@ def _split(device: str) -> tuple[str, int]:
 class TorchBackend(Backend):
     """Memory of torch's accelerators that this process has initialised (MPS once available)."""
 
-    name = "torch"
-    hold_tolerance = 1 << 20
-    reserve_tolerance = 64 << 20
+    name = "torch"  # the tolerances are Backend's: 1 MiB held, 64 MiB of cache
 
     # -- which devices ---------------------------------------------------------------------
     def _initialised_types(self) -> list[str]:
@@ -242,6 +240,13 @@ def dtype_name(key: Any) -> str:
     return name
 
 
+def owned_storage(tensor: Any) -> tuple[Any, int]:
+    """The tensor's untyped storage and its data pointer (0 for a tensor that owns no
+    memory: meta, fake, empty); raises as torch does for tensors without a storage."""
+    storage = tensor.untyped_storage()
+    return storage, storage.data_ptr()
+
+
 def census_rows(tensors: list[Any], names: dict[int, str]
                 ) -> tuple[list[TensorRow], list[Any]]:
     """The census rows of ``tensors`` (those that own memory) and their storage keys.
@@ -254,8 +259,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
     for tensor in tensors:
         try:
-            storage = tensor.untyped_storage()
-            pointer = storage.data_ptr()
+            storage, pointer = owned_storage(tensor)
             if not pointer:
                 continue
             device, dtype = tensor.device, tensor.dtype

@@ -16,6 +16,7 @@ import weakref
 from typing import Any, NamedTuple, Optional
 
 from .torch import dtype_name as _name
+from .torch import owned_storage
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
@@ -145,8 +146,7 @@ def _next(node: Any) -> tuple:
 
 def _row(tensor: Any) -> Optional[Saving]:
     try:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
+        storage, pointer = owned_storage(tensor)
         if not pointer:
             return None
         device = _name(tensor.device)
