@@ -118,7 +118,16 @@ def tf_memory_growth(enable: bool = True) -> int:
 
 
 class MemoryLimit:
-    """The context manager :func:`memory_limit` returns."""
+    """The context manager :func:`memory_limit` returns: ``limit`` in bytes and the
+    ``device`` it binds (``"host"`` or ``"cuda:N"``).
+
+    >>> import memguard
+    >>> limit = memguard.memory_limit("8GiB", "host")
+    >>> limit.limit, limit.device
+    (8589934592, 'host')
+    >>> with limit:
+    ...     pass
+    """
 
     def __init__(self, limit: Size, device: Optional[str] = None) -> None:
         self.limit = parse_size(limit, "limit")

@@ -69,7 +69,18 @@ def dump(path: str) -> Optional[str]:
 
 
 class RecordHistory:
-    """The object :func:`record_history` returns: a context manager and a decorator."""
+    """The object :func:`record_history` returns: a context manager and a decorator.
+
+    ``dumped`` is the path of the snapshot the last block wrote (``None`` when it wrote none:
+    no out-of-memory with ``on_oom_only``, or no CUDA to record).
+
+    >>> import memguard
+    >>> recorder = memguard.record_history("oom.pickle", max_entries=10_000)
+    >>> with recorder:
+    ...     pass
+    >>> recorder.dumped is None
+    True
+    """
 
     def __init__(self, path: str = "memory_snapshot.pickle", *, max_entries: int = 100_000,
                  on_oom_only: bool = True) -> None:
