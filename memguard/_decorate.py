@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, ContextManager, TypeVar
+from typing import Any, Callable, ContextManager, SupportsIndex, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,7 +26,7 @@ def _wrapper_classes() -> tuple[type, type]:
         return self  # functions are immutable for copy purposes
 
     class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
-        def __reduce_ex__(self, protocol: int) -> Any:  # as a bound method: getattr(obj, name)
+        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:  # as a bound method: getattr(obj, name)
             owner = self._self_owner if self._self_instance is None else self._self_instance
             return getattr, (owner, self.__name__)
 
@@ -35,7 +35,7 @@ def _wrapper_classes() -> tuple[type, type]:
     class Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
         __bound_function_wrapper__ = Bound
 
-        def __reduce_ex__(self, protocol: int) -> Any:  # a global's name: pickle looks it up
+        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:  # a global's name: pickle looks it up
             return self.__qualname__
 
         __copy__ = __deepcopy__ = copy
@@ -76,6 +76,7 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
         raise TypeError(f"{who} cannot decorate {kind} function {name_of(func)}; "
                         f"it supports {', '.join(k + ' functions' for k in kinds)}")
 
+    wrapper: Callable[..., Any]
     if kind == "async":
         async def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             with context():
@@ -97,6 +98,11 @@ def name_of(func: Any) -> str:
     """The qualified name of a function, classmethod or staticmethod."""
     target = getattr(func, "__func__", func)
     return getattr(target, "__qualname__", repr(target))
+
+
+def _statistic(get: Callable[[], Any], doc: str) -> property:
+    """A read-only attribute of a decorated function (``history``, ``batch_size``...)."""
+    return property(lambda self: get(), doc=doc)
 
 
 def with_statistics(func: Any, wrapper: Callable[..., Any],
@@ -121,7 +127,7 @@ def with_statistics(func: Any, wrapper: Callable[..., Any],
         reset()
 
     reset_method.__doc__ = reset.__doc__
-    members: dict[str, Any] = {name: property(lambda self, get=get: get(), doc=doc)
+    members: dict[str, Any] = {name: _statistic(get, doc)
                                for name, (get, doc) in attributes.items()}
     members["reset"] = reset_method
     bound = type("BoundWithStatistics", (bound_base,), dict(members))

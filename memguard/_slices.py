@@ -87,7 +87,7 @@ class Plan:
             return cls(MAPPING, _common(parts, where), parts)
         if _is_named_tuple(value):
             parts = {i: cls.of(item, f"{where}.{name}")
-                     for i, (name, item) in enumerate(zip(type(value)._fields, value))}
+                     for i, (name, item) in enumerate(zip(type(value)._fields, value, strict=True))}
             return cls(SEQUENCE, _common(parts, where), parts)
         if _is_plain_sequence(value):
             return cls._sequence(value, where)
@@ -117,7 +117,8 @@ class Plan:
         if self.kind == MAPPING:
             return _rebuild_mapping(value, {key: plan.cut(value[key], start, stop)
                                             for key, plan in self.parts.items()})
-        items = [plan.cut(item, start, stop) for plan, item in zip(self.parts.values(), value)]
+        items = [plan.cut(item, start, stop)
+                 for plan, item in zip(self.parts.values(), value, strict=True)]
         if _is_named_tuple(value):
             return type(value)(*items)
         return type(value)(items)

@@ -110,6 +110,7 @@ def format_table(rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
     if not rows:
         return ""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) if i < left else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
-                     for row in rows)
+    lines = ("  ".join(cell.ljust(w) if i < left else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows)
+    return "\n".join(line.rstrip() for line in lines)

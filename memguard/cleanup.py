@@ -24,9 +24,9 @@ import traceback
 from typing import Any, Iterable, Literal, Optional
 
 from ._checks import deprecated
-from .errors import chained
 from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
+from .errors import chained
 
 log = logging.getLogger("memguard")
 
@@ -51,7 +51,7 @@ def cleanup_mode(value: Any, who: str) -> Cleanup:
     ValueError: memory_scope: cleanup must be 'auto', 'always' or 'never', got 'yes'
     """
     if value is True or value is False:
-        new = "auto" if value else "never"
+        new: Cleanup = "auto" if value else "never"
         deprecated(f"{who}: cleanup={value} is deprecated; write cleanup={new!r}")
         return new
     if isinstance(value, str) and value in CLEANUPS:
@@ -226,7 +226,8 @@ class Settler:
 
     @staticmethod
     def _swollen(pairs: Pairs, now: Readings, entry: Readings) -> list[Backend]:
-        return list({b: None for b, d in pairs if _growth(now, entry, "reserved", d) > b.reserve_tolerance})
+        return list({b: None for b, d in pairs
+                     if _growth(now, entry, "reserved", d) > b.reserve_tolerance})
 
     def _gc_ready(self) -> bool:
         return not self.adaptive or self._gc.ready()

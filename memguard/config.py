@@ -9,10 +9,8 @@ from typing import Any, Optional
 
 from ._checks import flag, fraction, positive_int
 from ._units import Size, format_bytes, parse_size
-from .backends import check_device
+from .backends import check_device, tensorflow as tf_backend, torch as torch_backend
 from .backends.host import limit_address_space, restore_address_space
-from .backends import tensorflow as tf_backend
-from .backends import torch as torch_backend
 
 log = logging.getLogger("memguard")
 ALLOC_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")

@@ -57,7 +57,7 @@ class InferenceMode:
             if settler is not None:
                 try:
                     settler.settle(self._pairs, self._entry)
-                except Exception:  # noqa: BLE001 - a failed cleanup never masks the block's error
+                except Exception:
                     if exc_type is None:
                         raise
 

@@ -126,8 +126,8 @@ class MemoryMonitor:
         else:
             old = self.samples
             odd = len(old) % 2  # an unpaired last sample keeps its readings and stays open
-            self.samples[:] = [(b[0], _merge(a[1], b[1])) for a, b in zip(old[::2], old[1::2])
-                               ] + old[len(old) - odd:]
+            pairs = zip(old[::2], old[1::2], strict=False)  # the odd one out is kept below
+            self.samples[:] = [(b[0], _merge(a[1], b[1])) for a, b in pairs] + old[len(old) - odd:]
             self._filled = self._stride * (1 if odd else 2)
             self._stride *= 2
             self._record(now, memory)
@@ -155,8 +155,9 @@ class MemoryMonitor:
         with self._lock, open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["time", "device", "allocated", "reserved", "mark"])
-            rows = [(t, d, m.allocated, m.reserved, "") for t, mem in self.samples
-                    for d, m in mem.items()]
+            rows: list[tuple[float, str, Any, Any, str]] = [
+                (t, d, m.allocated, m.reserved, "") for t, mem in self.samples
+                for d, m in mem.items()]
             rows += [(t, "", "", "", label) for t, label in self.marks]
             for row in sorted(rows, key=lambda r: r[0]):
                 writer.writerow(["" if v is None else v for v in row])
@@ -197,10 +198,10 @@ class MemoryMonitor:
         axes = fig.subplots(len(series) or 1, 1, squeeze=False)
         start = self.started or 0.0
         marks = [(t - start, label) for t, label in self.marks]
-        for ax, (device, found) in zip(axes[:, 0], series.items()):
+        for ax, (device, found) in zip(axes[:, 0], series.items(), strict=False):
             for field, style in (("allocated", "-"), ("reserved", "--")):
                 if found[field]:
-                    xs, ys = zip(*found[field])
+                    xs, ys = zip(*found[field], strict=True)
                     ax.plot(xs, [y / 2**20 for y in ys], style, label=field)
             for level, label in lines.get(device, []):
                 ax.axhline(level / 2**20, color="tab:red", linewidth=1.2, linestyle=":",

@@ -32,7 +32,6 @@ from .scope import MemoryScope
 from .tensors import describe_leaks
 
 
-
 class Limits(NamedTuple):
     """A guarded test's limits, in bytes (``None``: not checked), and its devices."""
 

@@ -14,12 +14,12 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, overload
 
+from ._checks import deprecated, flag, positive_int
 from ._decorate import function_kind, guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
-from ._checks import deprecated, flag, positive_int
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, read_all, settler_for
 from .errors import MemoryLeakError
 from .snapshot import MemorySnapshot, snapshot
@@ -168,7 +168,7 @@ class MemoryScope:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self._finish()
-        except Exception:  # noqa: BLE001
+        except Exception:
             if exc_type is None:
                 raise
             log.exception("measuring %s failed while the block raised", self._title())
@@ -430,7 +430,7 @@ class _Call:
                 else:
                     after = shared.settler.settle(self.pairs,
                                                   _lower(self.entry, shared.baseline)).after
-            except Exception:  # noqa: BLE001 - a failed cleanup never masks the call's error
+            except Exception:
                 if exc_type is None:
                     raise
                 log.exception("cleanup after %s failed while it raised", shared.what)
@@ -465,7 +465,7 @@ class _Call:
 
     def _over(self, after: Readings, limit: Optional[int]) -> dict[str, int]:
         """The devices whose in-use bytes grew by more than ``limit`` since the call's entry."""
-        over = {}
+        over: dict[str, int] = {}
         if limit is None:
             return over
         for backend, device in self.pairs:
@@ -488,12 +488,13 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     and collects garbage or empties caches only when the call left memory above its entry
     level, backing off from work that keeps proving useless; ``"always"`` collects and empties
     every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
-    alone). ``policy=`` is the older name of ``cleanup=`` (deprecated). ``max_leak`` raises :class:`MemoryLeakError` when a device kept more
-    over the call's own run (with ``every > 1``, checked on the calls that clean up), on what
-    the allocators hand out (``allocated``; glibc's in-use bytes on the host), never on the
-    resident set; before raising it collects in full, so a collection the policy skipped never
-    decides a verdict. The first ``warmup`` calls (default 1) clean up but are not judged: a
-    training step's first call creates what every later one reuses (optimizer moments,
+    alone). ``policy=`` is the older name of ``cleanup=`` (deprecated). ``max_leak`` raises
+    :class:`MemoryLeakError` when a device kept more over the call's own run (with
+    ``every > 1``, checked on the calls that clean up), on what the allocators hand out
+    (``allocated``; glibc's in-use bytes on the host), never on the resident set; before
+    raising it collects in full, so a collection the policy skipped never decides a verdict.
+    The first ``warmup`` calls (default 1) clean up but are not judged: a training step's
+    first call creates what every later one reuses (optimizer moments,
     autograd's and the kernels' one-time state); ``warmup=0`` judges from the first call.
     ``track_tensors=True`` records the live tensors at each call's entry and, for a call that
     kept too much, names the tensors it created and left alive, grouped by what keeps them

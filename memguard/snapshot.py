@@ -79,8 +79,8 @@ class MemorySnapshot:
                 "budgets": {name: b.to_dict() for name, b in self.budgets.items()}}
 
     def __str__(self) -> str:
-        rows = [("device",) + _FIELDS]
-        rows += [(name,) + tuple(format_bytes(getattr(mem, f), signed=self.delta) for f in _FIELDS)
+        rows: list[tuple[str, ...]] = [("device", *_FIELDS)]
+        rows += [(name, *(format_bytes(getattr(mem, f), signed=self.delta) for f in _FIELDS))
                  for name, mem in self.devices.items()]
         lines = [format_table(rows)]
         lines += [f"budget {b}" for b in self.budgets.values()]

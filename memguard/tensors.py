@@ -32,7 +32,7 @@ Rows = Callable[[list[Any], dict[int, str]], tuple[list[TensorRow], list[Any]]]
 
 def _frameworks() -> dict[str, tuple[set[type], Rows]]:
     """``framework -> (tensor classes, census_rows)`` for the frameworks imported now."""
-    found = {}
+    found: dict[str, tuple[set[type], Rows]] = {}
     if "torch" in sys.modules:
         from .backends import torch as torch_backend
 
@@ -101,15 +101,17 @@ class TensorInfo:
     # One census row (a TensorRow: the fields, then the weak reference) and the holder cache
     # the census shares between its rows: a census builds 10,000 of these in a few ms.
     __slots__ = ("_row", "_cache")
+    _row: TensorRow
+    _cache: dict[str, Any]
 
-    framework: str = _field("framework", "``torch`` or ``tensorflow``.")  # type: ignore
-    device: str = _field("device", "``cpu``, ``cuda:0``, ``GPU:0``...")  # type: ignore
-    dtype: str = _field("dtype", "``float32``...")  # type: ignore
-    shape: tuple[int, ...] = _field("shape", "The tensor's shape.")  # type: ignore
-    nbytes: int = _field("nbytes", "Bytes of storage counted here.")  # type: ignore
-    is_view: bool = _field("is_view", "Whether it views another's storage.")  # type: ignore
-    name: Optional[str] = _field("name", "The parameter's name, if known.")  # type: ignore
-    id: int = _field("id", "``id()`` of the tensor.")  # type: ignore
+    framework: str = _field("framework", "``torch`` or ``tensorflow``.")  # type: ignore[assignment]
+    device: str = _field("device", "``cpu``, ``cuda:0``, ``GPU:0``...")  # type: ignore[assignment]
+    dtype: str = _field("dtype", "``float32``...")  # type: ignore[assignment]
+    shape: tuple[int, ...] = _field("shape", "The tensor's shape.")  # type: ignore[assignment]
+    nbytes: int = _field("nbytes", "Bytes of storage counted here.")  # type: ignore[assignment]
+    is_view: bool = _field("is_view", "Whether it views another's storage.")  # type: ignore[assignment]
+    name: Optional[str] = _field("name", "The parameter's name, if known.")  # type: ignore[assignment]
+    id: int = _field("id", "``id()`` of the tensor.")  # type: ignore[assignment]
 
     def __init__(self, framework: str, device: str, dtype: str, shape: tuple[int, ...],
                  nbytes: int, is_view: bool = False, name: Optional[str] = None,
@@ -146,7 +148,8 @@ class TensorInfo:
         return TensorInfo, self._row[:_REF]  # pickled: the fields, not the weak reference
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{key}={value!r}" for key, value in zip(_FIELDS, self._row))
+        fields = ", ".join(f"{key}={value!r}"
+                           for key, value in zip(_FIELDS, self._row, strict=False))
         return f"TensorInfo({fields})"
 
     @property
@@ -187,7 +190,7 @@ class TensorInfo:
         del wanted
         if targets:
             found = find_holders_of(list(targets.values()))
-            known.update(zip(targets, found))
+            known.update(zip(targets, found, strict=True))
         targets.clear()
 
     @property
@@ -225,7 +228,7 @@ class TensorInfo:
 
     def to_dict(self, holders: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; ``holders=True`` computes and includes the holder paths."""
-        data = dict(zip(_FIELDS, self._row))
+        data = dict(zip(_FIELDS, self._row, strict=False))
         data["shape"] = list(self.shape)
         if holders:
             data["holders"] = self.holders
@@ -239,7 +242,8 @@ class TensorInfo:
 
 
 def _check_tensor_device(device: Optional[str], name: str) -> None:
-    """Refuse a ``device`` no census row can be on (``"cpu"`` is a tensor device, not a backend's)."""
+    """Refuse a ``device`` no census row can be on (``"cpu"`` is a tensor device, not a
+    backend's)."""
     if device is not None and device != "cpu":
         check_device(device, name)
 
@@ -289,7 +293,9 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
 
 
 _size_of = TensorInfo.nbytes.fget  # type: ignore[attr-defined]
-_ROW_SLOT, _CACHE_SLOT = TensorInfo._row, TensorInfo._cache  # type: ignore[attr-defined]
+# The slots' descriptors: a census fills 10,000 rows without calling __init__.
+_ROW_SLOT: Any = TensorInfo.__dict__["_row"]
+_CACHE_SLOT: Any = TensorInfo.__dict__["_cache"]
 
 
 def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
@@ -340,7 +346,7 @@ def _trace_graphs(tensors: list[Any], rows: list[TensorRow], keys: list[Any],
         return
     saved = graphs.setdefault("saved", {})
     graphs.setdefault("roots", {}).update(roots)
-    for row, key in zip(rows, keys):
+    for row, key in zip(rows, keys, strict=True):
         root = owner.get(key)
         if root is not None and root != row.id:
             saved[row.id] = root
@@ -584,7 +590,7 @@ def _running_frames() -> list[tuple[types.FrameType, dict]]:
                 found.append((frame, dict(frame.f_locals)))  # module frames: see globals
             frame = frame.f_back
     tops.clear()
-    top = frame = None  # noqa: F841 - break the cycle through this frame
+    del top, frame  # break the cycle through this frame
     return found
 
 
@@ -624,13 +630,13 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
         return ""
     if type(ref).__module__.startswith("memguard"):
         return ""
-    attribute = None
+    attribute: Optional[str] = None
     attributes = _instance_dict(ref)
     if as_attribute is not None and attributes is obj:
         attribute = as_attribute
     elif attributes is not None:  # attributes stored inline in the instance (Python 3.11+)
-        name = next((k for k, v in attributes.items() if v is obj), None)
-        attribute = None if name is None else f".{name}{suffix}"
+        key = next((k for k, v in attributes.items() if v is obj), None)
+        attribute = None if key is None else f".{key}{suffix}"
     if attribute is None:
         return ""
     for slot in _MODULE_SLOTS:  # torch modules: .weight rather than ._parameters['weight']

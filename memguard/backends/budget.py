@@ -14,8 +14,8 @@ import dataclasses
 from typing import Any, Optional
 
 from .._units import format_bytes
-from .host import address_space_budget, cgroup_memory_budget
 from . import torch as torch_backend
+from .host import address_space_budget, cgroup_memory_budget
 
 # What each kind of budget counts, for messages.
 MEASURES = {"memory_limit": "address space", "RLIMIT_AS": "address space",
@@ -131,8 +131,8 @@ def device_identity() -> str:
         name = torch_backend.cuda_identity(int(cuda.partition(":")[2]))
         if name is not None:
             return f"cuda {name}"
-    import psutil
-
     import platform
+
+    import psutil
 
     return f"host {platform.machine()} ({int(psutil.virtual_memory().total)} bytes)"

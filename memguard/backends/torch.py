@@ -254,8 +254,9 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     ``nbytes`` of a row is its storage's bytes; ``names`` maps ids to parameter names. Tensors
     that own no memory (meta, fake, empty, sparse and lazy ones) are left out.
     """
-    known, keys = _names, []
+    known = _names
     rows: list[TensorRow] = []
+    keys: list[Any] = []
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
     for tensor in tensors:
         try:

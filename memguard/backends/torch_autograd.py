@@ -15,8 +15,7 @@ import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
-from .torch import dtype_name as _name
-from .torch import owned_storage
+from .torch import dtype_name as _name, owned_storage
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 

@@ -82,17 +82,18 @@ class SavedState:
             return self._states
         import torch
 
+        assert self.path is not None  # states are either held or written to a file
         return torch.load(self.path, map_location="cpu", weights_only=False)
 
     def load(self) -> None:
         """Load every copied state back into its object (a fresh copy each time, so an
         optimizer never shares tensors with the saved state)."""
         states = self._read()
-        for obj, (state, grads) in zip(self.objects, states):
+        for obj, (state, grads) in zip(self.objects, states, strict=True):
             # load_state_dict may keep the tensors it is given (an optimizer on the CPU does)
             obj.load_state_dict(_to_host(state) if self.path is None else state)
             if grads is not None:
-                for param, grad in zip(obj.parameters(), grads):
+                for param, grad in zip(obj.parameters(), grads, strict=True):
                     param.grad = None if grad is None else grad.to(param.device, copy=True)
 
     def discard(self) -> None:
@@ -113,9 +114,9 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
     live = [(obj.state_dict(), _live_grads(obj)) for obj in objects]
     size = sum(_nbytes(s) + _nbytes(g or []) for s, g in live)
     if free_host is not None and size > free_host // 2 and size > 0:
-        import torch
-
         import tempfile
+
+        import torch
 
         handle, path = tempfile.mkstemp(prefix="memguard-state-", suffix=".pt")
         os.close(handle)

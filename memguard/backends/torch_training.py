@@ -43,7 +43,7 @@ def drop(params: list[Any]) -> None:
 
 def restore(params: list[Any], saved: list[Any]) -> None:
     """Put the stashed gradients back, dropping any written since."""
-    for p, grad in zip(params, saved):
+    for p, grad in zip(params, saved, strict=True):
         p.grad = grad
 
 
@@ -52,7 +52,7 @@ def merge(params: list[Any], saved: list[Any]) -> None:
     import torch
 
     with torch.no_grad():
-        for p, old in zip(params, saved):
+        for p, old in zip(params, saved, strict=True):
             if old is None:
                 continue
             if p.grad is not None:
@@ -176,7 +176,8 @@ def local_gradients(ddp: Optional[Any]) -> Iterator[bool]:
 
 def presence(params: list[Any], saved: list[Any]) -> list[int]:
     """1 for each parameter that has a gradient (stashed or new), else 0."""
-    return [int(p.grad is not None or old is not None) for p, old in zip(params, saved)]
+    return [int(p.grad is not None or old is not None)
+            for p, old in zip(params, saved, strict=True)]
 
 
 def average(params: list[Any], present: list[int], group: Any) -> None:
@@ -190,7 +191,7 @@ def average(params: list[Any], present: list[int], group: Any) -> None:
     world = dist.get_world_size(group)
     grads = []
     with torch.no_grad():
-        for p, anywhere in zip(params, present):
+        for p, anywhere in zip(params, present, strict=True):
             if not anywhere:
                 continue
             if p.grad is None:

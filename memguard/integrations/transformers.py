@@ -3,12 +3,14 @@
 
 >>> from transformers import Trainer                                        # doctest: +SKIP
 >>> from memguard.integrations.transformers import MemguardCallback         # doctest: +SKIP
->>> trainer = Trainer(model, args, train_dataset=data, callbacks=[MemguardCallback()])  # doctest: +SKIP
+>>> trainer = Trainer(model, args, train_dataset=data,                      # doctest: +SKIP
+...                   callbacks=[MemguardCallback()])
 """
 
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from typing import Any, Optional
 
@@ -105,7 +107,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
 def _calling_trainer() -> Optional[Any]:
     """The ``Trainer`` whose method runs the callbacks (the Trainer does not hand itself to
     them): the first frame up the stack whose ``self`` is one; ``None`` if none is."""
-    frame = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             return None
