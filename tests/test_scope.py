@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import memguard
-from memguard.backends import host
 
 MiB = 1 << 20
 
@@ -66,7 +65,7 @@ def test_memory_still_referenced_is_reported_as_retained():
 def test_without_cleanup_the_cycle_stays():
     gc.disable()
     try:
-        with memguard.memory_scope(cleanup=False) as scope:
+        with memguard.memory_scope(cleanup="never") as scope:
             cyclic(200)
         assert scope.retained["host"] > 180 * MiB and scope.freed == 0
     finally:
@@ -246,4 +245,12 @@ def test_devices_argument_limits_what_is_watched():
     with pytest.raises(ValueError, match="unknown device"):
         with memguard.memory_scope(devices=["nowhere"]):
             pass
-    assert host.rss() > 0
+    # Where the host is the only active device the first check holds whatever ``devices``
+    # does; leaving out the host, which every scope watches by default, shows it is obeyed.
+    started = torch.cuda.is_initialized()
+    with memguard.memory_scope(devices="cuda:0") as gpu_only:
+        pass
+    assert list(gpu_only.peak) == list(gpu_only.retained) == list(gpu_only.before.devices) \
+        == ["cuda:0"]
+    if not started:  # on a GPU machine: watching a device never starts CUDA
+        assert torch.cuda.is_initialized() is False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import pickle
 import warnings
 import weakref
@@ -61,7 +60,7 @@ def test_a_view_of_a_temporary_counts_its_storage_once():
     sharing = [i for i in memguard.live_tensors() if i.shape in ((1000, 1000), (500, 1000))]
     assert sum(i.nbytes for i in sharing) == 4_000_000
     assert [i.is_view for i in sharing if i.nbytes] == [False]
-    assert view.is_contiguous()
+    assert [(i.is_view, i.nbytes) for i in sharing if i.id == id(view)] == [(True, 0)]
 
 
 def test_tensors_that_own_no_memory_are_left_out_without_error():
@@ -111,33 +110,42 @@ def test_device_and_size_filters():
     on_cpu = memguard.live_tensors("cpu", min_bytes=MiB)
     assert id(big) in ids(on_cpu) and all(i.nbytes >= MiB for i in on_cpu)
     assert ids(memguard.live_tensors("host", min_bytes=MiB)) == ids(on_cpu)
-    assert memguard.live_tensors("cuda:0") == [] or torch.cuda.is_available()
+    on_gpu = memguard.live_tensors("cuda:0")
+    assert id(big) not in ids(on_gpu) and all(i.device == "cuda:0" for i in on_gpu)
+    if not torch.cuda.is_available():
+        assert on_gpu == []
 
 
 def test_the_census_keeps_no_tensor_alive():
     tensor = torch.ones(10)
-    ref = weakref.ref(tensor)
+    ref, ident = weakref.ref(tensor), id(tensor)
     infos = memguard.live_tensors()
     del tensor
     assert ref() is None
-    info = next(i for i in infos if i._ref is ref or i._ref() is None)
+    info = next(i for i in infos if i.id == ident)
     assert not info.alive and info.holders == []
 
 
 def test_the_census_survives_weak_proxies_and_odd_objects():
-    class Weird:
-        @property
-        def __class__(self):
-            raise RuntimeError("isinstance breaks here")
+    class NoStorage(torch.Tensor):
+        """A program's own wrapper subclass: the census looks at it (it is a tensor class
+        memguard does not know), and reading its storage raises RuntimeError."""
+
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
 
     tensor = torch.ones(5)
-    proxy = weakref.proxy(tensor)
-    odd = [Weird()]
-    assert id(tensor) in ids(memguard.live_tensors())
-    del proxy, tensor
-    # (earlier tests of a session may leave TensorFlow tensors alive: they count too)
-    assert all(info.framework in ("torch", "tensorflow")
-               for info in memguard.live_tensors()) and odd
+    proxy = weakref.proxy(tensor)  # isinstance(proxy, torch.Tensor) is True: not a tensor
+    odd = NoStorage((1000, 1000))
+    with pytest.raises(RuntimeError):
+        odd.untyped_storage().data_ptr()  # what the census has to survive
+    found = ids(memguard.live_tensors())
+    assert id(tensor) in found and id(proxy) not in found and id(odd) not in found
 
 
 def test_holder_of_a_module_global_list_element():
@@ -214,7 +222,8 @@ def test_untracked_scope_has_no_leaks_and_tensors_made_before_are_not_leaks():
         before.add_(1)
     with memguard.memory_scope() as untracked:
         kept = torch.ones(10)
-    assert scope.leaks == [] and untracked.leaks == [] and kept is not None
+    assert scope.leaks == [] and untracked.leaks == []
+    del kept  # alive through the untracked scope's exit: a tracking scope would list it
 
 
 def test_memory_report_groups_and_totals():
@@ -224,8 +233,11 @@ def test_memory_report_groups_and_totals():
     assert lines[0].split() == ["device", "dtype", "shape", "count", "bytes"]
     assert any("[333, 777]" in line and line.split()[-3] == "3" for line in lines)
     assert lines[-1].startswith("cpu: ") and "in live tensors" in lines[-1]
-    assert memory_report(device="cuda:3").startswith("no live tensors") or \
-        torch.cuda.device_count() > 3
+    on_gpu = memory_report(device="cuda:3")
+    if memguard.live_tensors("cuda:3"):  # a fourth GPU holding tensors: none of the CPU's
+        assert not any(line.startswith("cpu") for line in on_gpu.splitlines())
+    else:
+        assert on_gpu == "no live tensors on cuda:3"
     with pytest.raises(ValueError, match="top must be a positive int"):
         memory_report(top=0)
     del blocks
@@ -263,4 +275,3 @@ def test_tensorflow_tensors_and_variables_are_counted(python_in_subprocess):
     assert out["v"] == ["tensorflow", 800]
     assert out["t"] == ["torch", 840]  # one census over both frameworks
     assert out["variables"] == 800 and out["alias_seen"]  # the alias is listed, counted once
-    gc.collect()
