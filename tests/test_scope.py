@@ -115,27 +115,34 @@ def test_peak_after_the_inner_scope_counts_for_the_outer_one():
 
 
 def test_scopes_in_threads_each_see_their_own_peak():
+    """A scope opened in another thread after this one's peak resets the device's counter:
+    the peak reached before that reset must still be this scope's."""
     barrier = threading.Barrier(2)
     results = {}
 
-    def work(name, mib, wait_first):
-        with memguard.memory_scope(name) as scope:
-            if wait_first:
-                barrier.wait()  # the other thread's scope opened (and reset the peak) first
-                block = torch.ones(mib * MiB // 4)
-                del block
-                barrier.wait()
-            else:
-                barrier.wait()
-                barrier.wait()
-        results[name] = scope
+    def big():
+        with memguard.memory_scope("big") as scope:
+            block = torch.ones(300 * MiB // 4)
+            del block
+            barrier.wait()  # the peak is reached and gone: now the idle scope opens
+            barrier.wait()  # ... and has reset the counter
+        results["big"] = scope
 
-    a = threading.Thread(target=work, args=("big", 300, True))
-    b = threading.Thread(target=work, args=("idle", 0, False))
-    a.start(), b.start()
-    a.join(), b.join()
-    big = results["big"]
-    assert big.peak["host"] - big.before["host"].reserved > 280 * MiB
+    def idle():
+        barrier.wait()
+        with memguard.memory_scope("idle") as scope:
+            barrier.wait()
+        results["idle"] = scope
+
+    threads = [threading.Thread(target=big), threading.Thread(target=idle)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    rise = results["big"].peak["host"] - results["big"].before["host"].reserved
+    assert rise > 280 * MiB
+    idle_rise = results["idle"].peak["host"] - results["idle"].before["host"].reserved
+    assert idle_rise < 100 * MiB  # the idle scope opened after the peak: not its own
 
 
 def test_body_exception_propagates_unchanged_and_cleanup_still_runs():
