@@ -3,6 +3,7 @@ large input that shrinks its batches on out-of-memory without redoing finished w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -10,14 +11,14 @@ import time
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
+from ._checks import fraction, positive_int
 from ._slices import Plan, plan_batch
+from .backends import resolve_devices
+from .backends.budget import available as budget_available, watched_devices
 from .cleanup import drop_frames, free_memory
 from .distributed import Agreement, Sync
 from .errors import OutOfMemoryError, oom_kind
-from .backends import resolve_devices
-from .backends.budget import available as budget_available
-from .backends.budget import watched_devices
-from .retry import Attempt, check_size, error_text, safe_snapshot
+from .retry import Attempt, Factor, Gauge, check_policy, check_start, error_text, failure, next_size
 from .scope import peak_book
 from .sizes import MemoryFit, SizeFile, check_path, size_key
 
@@ -47,7 +48,7 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     mode: Literal["binsearch", "power", "predict"] = "binsearch",
                     steps: int = 1, margin: float = 0.0, max_trials: int = 25,
                     sync: Sync = "auto",
-                    cache: Union[None, str, "os.PathLike[str]"] = None) -> int:
+                    cache: Union[str, "os.PathLike[str]", None] = None) -> int:
     """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
 
     ``"power"`` doubles from ``start`` until the first out-of-memory (or ``max_batch_size``);
@@ -85,18 +86,19 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     >>> memguard.find_batch_size(step, start=16)
     300
     """
-    check_size(start, "start")
-    check_size(steps, "steps")
-    if max_batch_size is not None and check_size(max_batch_size, "max_batch_size") < start:
+    positive_int(start, "start")
+    positive_int(steps, "steps")
+    if max_batch_size is not None and positive_int(max_batch_size, "max_batch_size") < start:
         raise ValueError(f"max_batch_size={max_batch_size} is smaller than start={start}")
     if mode not in ("binsearch", "power", "predict"):
         raise ValueError(f"mode must be 'binsearch', 'power' or 'predict', got {mode!r}")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
-    check_size(max_trials, "max_trials")
+    fraction(margin, "margin", include_zero=True)
+    positive_int(max_trials, "max_trials")
     sizes = None if cache is None else SizeFile(check_path(cache))
     agreement = Agreement(sync)
-    trials: list[Attempt] = []  # one per size: a confirmed failure is recorded once
+    # one per size (a confirmed failure once); only a failed start reaches the caller, on
+    # the error, so no trial names a next_batch_size
+    trials: list[Attempt] = []
     probe = _Probe() if mode == "predict" else None
     fits: dict[str, MemoryFit] = {}
 
@@ -201,7 +203,7 @@ class _Probe:
 
     def run(self, step: Callable[[int], Any], size: int,
             steps: int) -> tuple[Optional[str], dict[str, int]]:
-        levels = {d: b.read_fast(d)[b.level_field] for b, d in self.pairs}
+        levels = {d: b.level(b.read_fast(d)) for b, d in self.pairs}
         token = object()
         peak_book.enter(id(token), self.pairs)
         try:
@@ -265,10 +267,12 @@ class _Mapper:
     """One ``map_batches`` call: the current size, the results, the attempts."""
 
     def __init__(self, fn: Callable[[Any], Any], size: Optional[int], min_batch_size: int,
-                 on_retry: Optional[Callable[[Attempt], Any]]) -> None:
+                 factor: Factor, on_retry: Optional[Callable[[Attempt], Any]]) -> None:
         self.fn = fn
         self.size = size  # None: an iterable's batches as they come, until one runs out
         self.min_batch_size = min_batch_size
+        self.factor = factor
+        self.gauge = Gauge("map_batches") if factor == "auto" else None
         self.on_retry = on_retry
         self.results: list[Any] = []
         self.history: list[Attempt] = []
@@ -280,46 +284,55 @@ class _Mapper:
         size allows all of it at once), shrinking on out-of-memory."""
         done = 0
         while done < total:
-            size = total if self.size is None else self.size
-            stop = min(done + size, total)
+            stop = total if self.size is None else min(done + self.size, total)
             chunk = whole if whole is not None and done == 0 and stop == total else \
                 cut(done, stop)
+            if self.gauge is not None:
+                self.gauge.start()
             started = time.perf_counter()
             try:
                 out = self.fn(chunk)
             except BaseException as exc:
                 if oom_kind(exc) is None:
                     raise
-                failed = Attempt(size, None, False, error_text(exc),
-                                 time.perf_counter() - started, safe_snapshot())
-                self.history.append(failed)
-                drop_frames(exc)  # before any raise: __cause__ must not keep the frames
-                if min(size, stop - done) <= self.min_batch_size:  # nothing smaller to try
-                    raise OutOfMemoryError(
-                        f"map_batches: out of memory at batch_size={min(size, stop - done)}, "
-                        f"the minimum, at "
-                        f"{where(done)}; the finished results ({len(self.results)} calls) are "
-                        f"on the error's .partial", self.history, self.results) from exc
+                failed = self._failed(exc, stop - done, time.perf_counter() - started,
+                                      where(done))
             else:
                 self.results.append(out)
                 if self.retried:
-                    self.history.append(Attempt(size, None, True, None,
+                    self.history.append(Attempt(stop - done, None, True, None,
                                                 time.perf_counter() - started))
                     self.retried = False
                 done = stop
                 continue
             del chunk
             free_memory()  # outside except: the exception is no longer referenced
-            self.size = max(self.min_batch_size, min(size, stop - done) // 2)
+            self.size = failed.next_batch_size
             self.retried = True
             log.warning("map_batches ran out of memory at %s; going on at batch_size=%d",
                         where(done), self.size)
             if self.on_retry is not None:
                 self.on_retry(failed)
 
+    def _failed(self, exc: BaseException, size: int, seconds: float, where: str) -> Attempt:
+        """Inside ``except``: the failed attempt at ``size``, recorded with the size to go on
+        at; the :class:`OutOfMemoryError` when there is none smaller."""
+        self.history.append(failure(exc, size, None, seconds))
+        estimate = self.gauge.size_after(exc, size) if self.gauge is not None else None
+        drop_frames(exc)  # before any raise: __cause__ must not keep the frames
+        if size <= self.min_batch_size:  # nothing smaller to try
+            raise OutOfMemoryError(
+                f"map_batches: out of memory at batch_size={size}, the minimum, at {where}; "
+                f"the finished results ({len(self.results)} calls) are on the error's "
+                f".partial", self.history, self.results) from exc
+        upcoming = next_size(self.factor, size, self.min_batch_size, estimate, "map_batches")
+        self.history[-1] = dataclasses.replace(self.history[-1], next_batch_size=upcoming)
+        return self.history[-1]
+
 
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
-                min_batch_size: int = 1, collate: Optional[Callable[[list[T]], Any]] = None,
+                min_batch_size: int = 1, factor: Factor = 0.5,
+                collate: Optional[Callable[[list[T]], Any]] = None,
                 on_retry: Optional[Callable[[Attempt], Any]] = None) -> Any:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.
 
@@ -335,11 +348,18 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     - a ``DataLoader``, or any other iterable of batches: each batch goes to ``fn`` as it is
       (cut to ``batch_size`` when one is given and the batch is longer).
 
-    On an out-of-memory only the failed batch (or slice) is retried, at half the size (never
-    below ``min_batch_size``), split along dim 0 (element-wise for tuples and dicts), and the
-    rest goes on at that size: finished work is never recomputed. Returns a list of the
-    results, one per call of ``fn`` (a :class:`BatchResults`, whose ``history`` holds the
-    :class:`Attempt` records of the retries), or ``collate(results)`` (``torch.cat``, say).
+    On an out-of-memory only the failed batch (or slice) is retried, at
+    ``max(min_batch_size, floor(size * factor))`` (half, by default), split along dim 0
+    (element-wise for tuples and dicts), and the rest goes on at that size: finished work is
+    never recomputed. ``factor`` means what it means to :func:`oom_retry`: a number between
+    0 and 1; a callable ``size -> next size``, which must return a positive int below
+    ``size`` (else ``ValueError``); or ``"auto"``, the next size measured from what the
+    failed call took and asked for against what the budget that binds had left when it
+    began (halving when the error states no size; the budgets are read before every call
+    of ``fn``, a fraction of a millisecond each time). Returns a list of the results, one per
+    call of ``fn`` (a :class:`BatchResults`, whose ``history`` holds the :class:`Attempt`
+    records of the retries, each failure with its ``next_batch_size``), or
+    ``collate(results)`` (``torch.cat``, say).
     ``on_retry(attempt)`` runs after each failed attempt's cleanup, before the retry. When
     the slice at ``min_batch_size``, or ``collate``, runs out of memory, the
     :class:`OutOfMemoryError` keeps the finished results, in order, on ``.partial``.
@@ -352,17 +372,13 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     >>> memguard.map_batches(len, iter([[1, 2, 3], [4, 5]]))
     [3, 2]
     """
-    if batch_size is not None:
-        check_size(batch_size, "batch_size")
-    check_size(min_batch_size, "min_batch_size")
-    if batch_size is not None and min_batch_size > batch_size:
-        raise ValueError(f"min_batch_size={min_batch_size} is larger than "
-                         f"batch_size={batch_size}")
+    check_start(batch_size, min_batch_size, "map_batches")
+    factor = check_policy(factor)
     if on_retry is not None and not callable(on_retry):
         raise TypeError(f"map_batches: on_retry must be callable, got {on_retry!r}")
     from .backends.torch_data import collate as collate_samples, is_map_dataset
 
-    mapper = _Mapper(fn, batch_size, min_batch_size, on_retry)
+    mapper = _Mapper(fn, batch_size, min_batch_size, factor, on_retry)
     if isinstance(data, (tuple, Mapping)) or is_map_dataset(data) or (
             hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         if batch_size is None:
@@ -372,7 +388,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
         if isinstance(data, (tuple, Mapping)):
             plan = plan_batch(data)  # cut part by part
             cut: Callable[[int, int], Any] = lambda a, b: plan.cut(data, a, b)  # noqa: E731
-            total = plan.length
+            total = int(plan.length or 0)
         elif is_map_dataset(data):
             cut = lambda a, b: collate_samples([data[i] for i in range(a, b)])  # noqa: E731
             total = len(data)
@@ -388,13 +404,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
         count = len(data) if hasattr(data, "__len__") else None
         of = f" of {count}" if count is not None else ""
         for index, batch in enumerate(data):
-            plan = _plan_of(batch, index)
-            if plan is None:  # nothing to cut: the batch as it is, once
-                mapper.run(lambda a, b: batch, 1, lambda done: f"batch {index}{of}",
-                           whole=batch)
-                continue
-            mapper.run(lambda a, b: plan.cut(batch, a, b), plan.length,
-                       lambda done: f"item {done} of batch {index}{of}", whole=batch)
+            _map_batch(mapper, batch, f"batch {index}{of}")
     else:
         raise TypeError(f"map_batches needs data with len() and slicing, a tuple or dict of "
                         f"those, a torch Dataset, or an iterable of batches (a DataLoader), "
@@ -412,13 +422,18 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
                                results) from exc
 
 
-def _plan_of(batch: Any, index: int) -> Optional[Plan]:
-    """How to cut an iterable's batch, or ``None`` for one with nothing per sample."""
+def _map_batch(mapper: _Mapper, batch: Any, name: str) -> None:
+    """One batch of an iterable: cut as :func:`plan_batch` says, or, with nothing per sample
+    to cut, passed whole, once."""
     try:
-        plan = plan_batch(batch)
+        plan: Optional[Plan] = plan_batch(batch)
     except TypeError:
-        return None
-    return plan if plan.length else None
+        plan = None
+    if plan is None or not plan.length:
+        mapper.run(lambda a, b: batch, 1, lambda done: name, whole=batch)
+    else:
+        mapper.run(lambda a, b: plan.cut(batch, a, b), plan.length,
+                   lambda done: f"item {done} of {name}", whole=batch)
 
 
 def _check_slice(data: Any, chunk: Any, start: int, stop: int) -> None:

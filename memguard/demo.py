@@ -18,7 +18,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from ._units import format_bytes
+from ._units import format_bytes, format_table
+from .backends import level_field
 from .config import memory_limit
 from .monitor import MemoryMonitor
 from .retry import Attempt, oom_retry
@@ -117,7 +118,7 @@ class _TensorFlow:
         with tf.GradientTape() as tape:
             loss = self.loss(self.y[start:stop], self.model(self.x[start:stop], training=True))
         grads = tape.gradient(loss, self.model.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
         return float(loss)
 
 
@@ -138,6 +139,16 @@ def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optiona
             f"small for this demo; try --budget {larger}MiB or more (the default is 768MiB)")
 
 
+def retry_line(attempt: Attempt) -> str:
+    """What the demo prints when ``oom_retry`` retries after ``attempt`` failed.
+
+    >>> retry_line(Attempt(4096, None, False, "out of memory", 1.5, next_batch_size=1024))
+    '  out of memory at batch_size=4096 after 1.50 s; memory freed, retrying at batch_size=1024'
+    """
+    return (f"  out of memory at batch_size={attempt.batch_size} after {attempt.seconds:.2f} s; "
+            f"memory freed, retrying at batch_size={attempt.next_batch_size}")
+
+
 def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         epochs: int = 3, say: Callable[..., None] = _say) -> int:
     """Run the demo; returns the exit code (0: everything held)."""
@@ -149,12 +160,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
     scopes: list[MemoryScope] = []
     epoch_number, attempted = [0], [START_BATCH]
 
-    def on_retry(attempt: Attempt) -> None:
-        say(f"  out of memory at batch_size={attempt.batch_size} after "
-            f"{attempt.seconds:.2f} s; memory freed, retrying at "
-            f"batch_size={max(1, attempt.batch_size // 2)}")
-
-    @oom_retry(batch_size=START_BATCH, on_retry=on_retry)
+    @oom_retry(batch_size=START_BATCH, on_retry=lambda attempt: say(retry_line(attempt)))
     def train_epoch(batch_size: int) -> float:
         epoch, attempted[0] = epoch_number[0], batch_size
         batches = math.ceil(SAMPLES / batch_size)
@@ -229,7 +235,7 @@ def _creep(scopes: list[MemoryScope]) -> dict[str, int]:
     grown = {}
     for device, first in scopes[0].after.devices.items():
         last = scopes[-1].after.devices.get(device)
-        field = "reserved" if device == "host" else "allocated"
+        field = level_field(device)
         start, end = getattr(first, field), getattr(last, field, None) if last else None
         if start is not None and end is not None and end - start > CREEP_TOLERANCE:
             grown[device] = end - start
@@ -250,7 +256,5 @@ def _summary(say: Callable[..., None], scopes: list[MemoryScope], monitor: Memor
         big = [leak for leak in scope.leaks if leak.nbytes > 1 << 20]
         rows.append((str(scope.name), peak, retained,
                      "none" if not big else f"{len(big)}: {scope.biggest_leak()}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    for row in rows:
-        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    say(format_table(rows, left=len(rows[0])))
     say("monitor peak: " + ", ".join(f"{d} {format_bytes(v)}" for d, v in monitor.peak.items()))

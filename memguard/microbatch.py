@@ -23,21 +23,20 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import weakref
 import time
+import weakref
 from typing import Any, Callable, Literal, Optional, TypeVar
 
+from ._checks import fraction, optional_positive_int, positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
-from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
 from ._units import format_bytes
-from .backends import torch_distributed
-from .backends import torch_training as training
+from .backends import torch_distributed, torch_training as training
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
-from .errors import MemguardError, OutOfMemoryError, oom_kind
-from .retry import Attempt, check_factor, check_size, error_text, memory_summary, safe_snapshot
+from .errors import MemguardError, oom_kind
+from .retry import Attempt, GuardState, exhausted, failure, memory_summary, next_size
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,16 +76,19 @@ class _Config:
         raise TypeError(f"{self.name}() needs the batch as its first argument")
 
 
-class _State:
-    """What the decorated function remembers between steps."""
+class _State(GuardState):
+    """What an ``auto_microbatch`` step remembers between calls: the slice size that fitted,
+    the steps since the last out-of-memory, the last call's attempts, and tensors outside the
+    model that backward writes gradients into."""
 
     def __init__(self) -> None:
-        self.lock = ForkSafeLock()
-        self.microbatch_size: Optional[int] = None
-        self.clean_steps = 0
-        self.history: list[Attempt] = []
+        super().__init__()
         self.looked_outside = False  # the first call looks for leaves outside the model
         self.extras: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+    def forget(self) -> None:
+        self.microbatch_size: Optional[int] = None
+        self.clean_steps = 0
 
 
 class _Step:
@@ -138,7 +140,7 @@ class _Step:
         except BaseException:
             training.restore(self.params, self.entry)
             raise
-        if syncs:
+        if syncs and self.ddp is not None:  # syncs: a DDP model's reduction was held back
             training.average(self.params[:self.shared], present, self.ddp.process_group)
         self._remember()
         return total
@@ -152,7 +154,8 @@ class _Step:
                 self.started = time.perf_counter()
                 try:
                     total = self._pass(wrapped, args, kwargs)
-                except Exception as exc:  # BaseException (Ctrl-C, exit) leaves at once
+                except Exception as exc:  # noqa: BLE001 - told to the peers, then re-raised
+                    # (a BaseException, Ctrl-C or exit, leaves at once)
                     status, give_up = self._failed(exc)
                     error = exc
                 else:
@@ -166,7 +169,8 @@ class _Step:
             if status == FAILED:
                 raise error  # type: ignore[misc]
             if give_up:
-                raise self._exhausted() from error
+                raise exhausted(self.cfg.name, f"microbatch size tried for a batch of "
+                                f"{self.samples}", self.attempts, "min_size") from error
             if worst == FAILED:
                 raise MemguardError(f"{self.cfg.name}: another rank failed (an error that is "
                                     f"not an out-of-memory, or out of memory at its smallest "
@@ -226,11 +230,11 @@ class _Step:
         """Inside ``except``: the status, and whether this rank has no smaller size left."""
         if oom_kind(exc) is None:
             return FAILED, False
-        self.attempts.append(Attempt(self.size, self.slices(), False, error_text(exc),
-                                     time.perf_counter() - self.started, safe_snapshot()))
+        seconds = time.perf_counter() - self.started
+        upcoming = self._next_size()
+        self.attempts.append(failure(exc, self.size, self.slices(), seconds, upcoming))
         emit(f"OOM at microbatch={self.size}")
         drop_frames(exc)
-        upcoming = self._next_size()
         if upcoming is None:
             return OOM, True
         self.size = upcoming
@@ -242,7 +246,7 @@ class _Step:
             return size
         if self.size <= self.cfg.min_size:
             return None
-        return max(self.cfg.min_size, math.floor(self.size * self.cfg.factor))
+        return next_size(self.cfg.factor, self.size, self.cfg.min_size)
 
     def _recover(self) -> int:
         """Outside ``except``: drop the failed pass's gradients, free its memory."""
@@ -250,14 +254,6 @@ class _Step:
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
         return free_memory()
-
-    def _exhausted(self) -> OutOfMemoryError:
-        tried = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})"
-                          for a in self.attempts)
-        return OutOfMemoryError(
-            f"{self.cfg.name}: out of memory at every microbatch size tried for a batch of "
-            f"{self.samples}: {tried}. Lower min_size, free memory held elsewhere, or use a "
-            f"smaller model", self.attempts)
 
     def _remember(self) -> None:
         failed = any(not a.ok for a in self.attempts)
@@ -290,9 +286,11 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     go to every slice as they are. The size that fitted is kept for later calls
     (``.microbatch_size``; ``None`` until a batch had to be split; batches no larger run
     whole); ``grow_every=N`` tries the next larger size (``ceil(size / factor)``, at most the
-    batch) after N steps without an out-of-memory and steps back at once if it fails. ``scaler``, a ``torch.amp.GradScaler``, scales each backward.
-    ``.history`` holds the last call's :class:`Attempt` records (``batch_size`` is the slice
-    size, ``accumulation_steps`` the number of slices); ``.reset()`` forgets the size.
+    batch) after N steps without an out-of-memory and steps back at once if it fails.
+    ``scaler``, a ``torch.amp.GradScaler``, scales each backward. ``.history`` holds the last
+    call's :class:`Attempt` records (``batch_size`` is the slice size, ``accumulation_steps``
+    the number of slices, ``next_batch_size`` the slice size the failed pass is redone at);
+    ``.reset()`` forgets the size.
 
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
@@ -309,13 +307,12 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     >>> loss.requires_grad, model.weight.grad is not None, loss_of.microbatch_size
     (False, True, None)
     """
-    check_size(min_size, "min_size")
-    factor = check_factor(factor)
+    positive_int(min_size, "min_size")
+    factor = fraction(factor, "factor")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
                          f"{reduction!r}")
-    if grow_every is not None:
-        check_size(grow_every, "grow_every")
+    optional_positive_int(grow_every, "grow_every")
     check_sync(sync, "auto_microbatch")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
@@ -347,18 +344,11 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
             return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
 
-        def reset() -> None:
-            """Forget the microbatch size: the next call starts with the whole batch."""
-            with state.lock:
-                state.microbatch_size = None
-                state.clean_steps = 0
-                state.history = []
-
         return with_statistics(
             func, wrapper,
             {"microbatch_size": (lambda: state.microbatch_size,
                                  "The slice size that fitted (None until a batch was split)."),
              "history": (lambda: state.history, "The last call's attempts.")},
-            reset)
+            state.reset)
 
     return decorate

@@ -17,17 +17,23 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
+from ._checks import fraction, optional_positive_int, positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import format_bytes
+from .backends import level_field, torch_state
+from .backends.budget import available as budget_available, watched_devices
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
-from .backends import torch_state
-from .backends.budget import available as budget_available
-from .backends.budget import watched_devices
-from .errors import (OOM_MESSAGES, MemguardError, OutOfMemoryError, oom_device, oom_kind,
-                     requested_bytes)
+from .errors import (
+    OOM_MESSAGES,
+    MemguardError,
+    OutOfMemoryError,
+    oom_device,
+    oom_kind,
+    requested_bytes,
+)
 from .history import dump, start_recording, stop_recording
 from .sizes import SizeFile, check_path, size_after_oom, size_key
 from .snapshot import MemorySnapshot, snapshot
@@ -39,17 +45,22 @@ Factor = Union[float, Literal["auto"], Callable[[int], int]]
 
 @dataclasses.dataclass(frozen=True)
 class Attempt:
-    """One attempt of an ``oom_retry`` call.
+    """One attempt of an ``oom_retry`` call (and one trial of ``find_batch_size``, one retried
+    batch of ``map_batches``, one pass of ``auto_microbatch``).
 
     ``batch_size`` and ``accumulation_steps`` (``None`` unless ``keep_effective_batch``) it ran
     with; ``ok``; ``error``, the out-of-memory's text (or why a peer rank failed); ``seconds``;
     ``memory``, a snapshot taken at the failure, while the failed attempt still held its
     memory (``None`` for a success); ``snapshot_path``, the CUDA memory snapshot written for
-    the failure with ``oom_retry(snapshot_dir=...)``.
+    the failure with ``oom_retry(snapshot_dir=...)``; ``next_batch_size``, the size the next
+    attempt runs at after this one failed (``None`` for a success, and for a failure after
+    which no smaller size was tried).
 
     >>> from memguard import Attempt
     >>> str(Attempt(64, None, True, None, 0.5, None))
     'batch_size=64: ok in 0.500 s'
+    >>> str(Attempt(64, None, False, "out of memory", 0.5, next_batch_size=16))
+    'batch_size=64: out of memory after 0.500 s; next batch_size=16'
     """
 
     batch_size: int
@@ -59,10 +70,11 @@ class Attempt:
     seconds: float
     memory: Optional[MemorySnapshot] = None
     snapshot_path: Optional[str] = None
+    next_batch_size: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
-        data = dataclasses.asdict(self)
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         data["memory"] = self.memory.to_dict() if self.memory is not None else None
         return data
 
@@ -70,7 +82,10 @@ class Attempt:
         steps = "" if self.accumulation_steps is None else f" x{self.accumulation_steps} steps"
         if self.ok:
             return f"batch_size={self.batch_size}{steps}: ok in {self.seconds:.3f} s"
-        return f"batch_size={self.batch_size}{steps}: {self.error} after {self.seconds:.3f} s"
+        upcoming = "" if self.next_batch_size is None else \
+            f"; next batch_size={self.next_batch_size}"
+        return (f"batch_size={self.batch_size}{steps}: {self.error} after {self.seconds:.3f} s"
+                f"{upcoming}")
 
 
 def memory_summary(snap: Optional[MemorySnapshot]) -> str:
@@ -85,7 +100,7 @@ def memory_summary(snap: Optional[MemorySnapshot]) -> str:
         if binding is not None:
             parts.append(f"{name} {binding.short()}")
             continue
-        used = mem.reserved if name == "host" else mem.allocated
+        used = getattr(mem, level_field(name))
         total = f" of {format_bytes(mem.total)}" if mem.total is not None else ""
         parts.append(f"{name} {format_bytes(used)}{total}")
     return ", ".join(parts)
@@ -103,21 +118,20 @@ def error_text(exc: BaseException) -> str:
     return f"out of memory ({oom_kind(exc)}): {line}"
 
 
-def check_size(value: Any, name: str) -> int:
-    """``value`` if it is a positive int, else a ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_factor(factor: Any) -> float:
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
-        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), got {factor!r}")
-    return float(factor)
+def check_start(size: Any, min_batch_size: Any, who: str, name: str = "batch_size") -> None:
+    """The starting size ``size`` (``None``: not known yet) and ``min_batch_size`` as positive
+    ints, ``min_batch_size`` no larger than ``size``; else a ``ValueError`` naming them."""
+    if size is not None:
+        positive_int(size, name)
+    positive_int(min_batch_size, "min_batch_size")
+    if size is not None and min_batch_size > size:
+        raise ValueError(f"{who}: min_batch_size={min_batch_size} is larger than the starting "
+                         f"{name}={size}; lower min_batch_size or start larger")
 
 
 def check_policy(factor: Any) -> Factor:
-    """``factor`` as ``oom_retry`` takes it: a fraction, ``"auto"`` or a callable."""
+    """``factor`` as ``oom_retry`` and ``map_batches`` take it: a fraction, ``"auto"`` or a
+    callable."""
     if factor == "auto" and isinstance(factor, str):
         return "auto"
     if callable(factor):
@@ -125,20 +139,91 @@ def check_policy(factor: Any) -> Factor:
     if isinstance(factor, str):
         raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
                          f"callable size -> next size, got {factor!r}")
-    return check_factor(factor)
+    return fraction(factor, "factor")
 
 
-def policy_size(factor: Factor, size: int) -> Optional[int]:
-    """The next size by a fixed fraction or a callable (checked); ``None`` for ``"auto"``."""
+def next_size(factor: Factor, size: int, minimum: int, estimate: Optional[int] = None,
+              who: str = "oom_retry") -> int:
+    """The size after an out-of-memory at ``size`` (above ``minimum``): ``floor(size *
+    factor)``, what a callable ``factor`` returns (checked: a positive int below ``size``), or
+    for ``"auto"`` the measured ``estimate`` (half when nothing was measured); never below
+    ``minimum``.
+
+    >>> next_size(0.25, 64, 1), next_size("auto", 64, 1), next_size(lambda s: s - 30, 64, 40)
+    (16, 32, 40)
+    """
     if factor == "auto":
-        return None
-    if callable(factor):
-        value = factor(size)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < size:
-            raise ValueError(f"oom_retry: factor {name_of(factor)}({size}) returned {value!r}; "
+        upcoming = estimate if estimate is not None else size // 2
+    elif callable(factor):
+        upcoming = factor(size)
+        if isinstance(upcoming, bool) or not isinstance(upcoming, int) or not 0 < upcoming < size:
+            raise ValueError(f"{who}: factor {name_of(factor)}({size}) returned {upcoming!r}; "
                              f"it must return a positive int smaller than {size}")
-        return value
-    return math.floor(size * factor)
+    else:
+        upcoming = math.floor(size * factor)
+    return max(minimum, upcoming)
+
+
+class Gauge:
+    """What ``factor="auto"`` measures of one attempt: what each watched device could still
+    give when it began (:meth:`start`) and, inside ``except`` while the failed attempt still
+    holds its memory, what it took and asked for (:meth:`size_after`)."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.before: dict[str, Optional[int]] = {}
+
+    def start(self) -> None:
+        """Before an attempt."""
+        self.before = {d: _safe_available(d) for d in watched_devices()}
+
+    def size_after(self, exc: BaseException, size: int) -> Optional[int]:
+        """Inside ``except``: the size the failed attempt's measured memory says fits (see
+        :func:`~memguard.sizes.size_after_oom`), ``None`` when it cannot be measured."""
+        device = oom_device(exc)
+        if device == "cuda":
+            device = next((d for d in self.before if d.startswith("cuda:")), device)
+        before = self.before.get(device)
+        now = _safe_available(device)
+        asked = requested_bytes(exc)
+        if before is None or now is None or asked is None:
+            log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
+                      "%s, asked %s); halving", self.who, device, before, asked)
+            return None
+        need = max(0, before - now) + asked
+        estimate = size_after_oom(size, need, before)
+        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s", self.who,
+                  size, format_bytes(need), format_bytes(before), device, estimate)
+        return estimate
+
+
+def exhausted(who: str, tried: str, attempts: list[Attempt], minimum: str) -> OutOfMemoryError:
+    """The error when every size allowed ran out of memory: ``"{who}: out of memory at every
+    {tried}: "`` and each size tried with the memory at its failure."""
+    sizes = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})" for a in attempts)
+    return OutOfMemoryError(f"{who}: out of memory at every {tried}: {sizes}. Lower {minimum}, "
+                            f"free memory held elsewhere, or use a smaller model", attempts)
+
+
+class GuardState:
+    """What a decorated function remembers between calls, under one lock: ``history``, the
+    last call's attempts, and what a subclass's :meth:`forget` drops (the sizes that
+    worked)."""
+
+    def __init__(self) -> None:
+        self.lock = ForkSafeLock()
+        self.history: list[Attempt] = []
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the remembered sizes (called with the lock held, or from ``__init__``)."""
+
+    def reset(self) -> None:
+        """Forget the sizes that worked and the last call's attempts: the next call starts
+        afresh."""
+        with self.lock:
+            self.history = []
+            self.forget()
 
 
 class _Config:
@@ -178,13 +263,12 @@ class _Config:
             raise TypeError(f"oom_retry: on_retry must be callable, got {on_retry!r}")
 
 
-class _State:
-    """What the decorated function remembers: working sizes, the last call's attempts."""
+class _State(GuardState):
+    """What an ``oom_retry`` function remembers: the working size for each start size, the
+    last one that worked, the last call's attempts."""
 
-    def __init__(self) -> None:
-        self.lock = ForkSafeLock()
+    def forget(self) -> None:
         self.cache: dict[int, int] = {}
-        self.history: list[Attempt] = []
         self.batch_size: Optional[int] = None
 
 
@@ -202,7 +286,22 @@ _NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_oom_retry_nest", defau
 
 
 class _Run:
-    """One call of an ``oom_retry`` function: its sizes, attempts and agreement."""
+    """One call of an ``oom_retry`` function: its sizes, attempts and agreement, as one state
+    machine that the plain and the async wrapper drive alike (``await`` is all they differ
+    by)::
+
+        with _Run(cfg, state, wrapped, args, kwargs) as run:   # close() however it ends
+            for call_args, call_kwargs in run:  # from the 2nd: recover(), outside except
+                with run.attempt():             # __exit__ decides, inside except
+                    run.result = wrapped(*call_args, **call_kwargs)
+            return run.result
+
+    ``attempt()``'s ``__exit__`` runs inside the exception handling: it records the failure,
+    clears the failed frames, takes the decision and suppresses an out-of-memory that will be
+    retried (anything else propagates untouched, with its traceback). The next ``next()`` of
+    the loop frees the memory, once the ``with`` block is over and the exception object is no
+    longer referenced.
+    """
 
     def __init__(self, cfg: _Config, state: _State, wrapped: Callable[..., Any],
                  args: tuple, kwargs: dict) -> None:
@@ -213,10 +312,8 @@ class _Run:
         if requested is None:
             raise TypeError(f"{cfg.name}() got no {cfg.arg}: pass it, give the parameter a "
                             f"default, or decorate with oom_retry(batch_size=...)")
-        self.requested = check_size(requested, cfg.arg)
-        if cfg.min_batch_size > self.requested:
-            raise ValueError(f"oom_retry: min_batch_size={cfg.min_batch_size} is larger than "
-                             f"the starting {cfg.arg}={self.requested}")
+        check_start(requested, cfg.min_batch_size, "oom_retry", cfg.arg)
+        self.requested: int = requested
         nest = _NEST.get()
         self.nested = nest is not None
         # A call of the function inside its own call (recursion) leaves the sizes, the cache
@@ -237,22 +334,32 @@ class _Run:
                 if cached is not None and cached < cfg.min_batch_size:
                     cached = None
         self.agreement = Agreement(cfg.sync)
-        self.before: dict[str, Optional[int]] = {}
+        self.gauge = Gauge(cfg.name) if cfg.factor == "auto" else None
         self.estimate: Optional[int] = None
         start = min(resumed, self.requested) if resumed is not None else cached
         self.size = self.agreement.smallest(start or self.requested)
-        # last: nothing below may raise before the caller's try/finally owns the copy
+        # last: nothing below may raise before the caller's ``with`` owns the copy
         self.saved = (torch_state.copy_states(cfg.restore, budget_available("host"))
                       if cfg.restore and not self.recursive else None)
         self.attempts: list[Attempt] = []
         if not self.recursive:
             state.history = self.attempts
         self.started = 0.0
+        self.result: Any = None  # what the attempt that ran last returned
+        self.retrying = False  # the last attempt failed: recover before the next one
+        self.done = False  # every rank succeeded: the loop is over
         self.recording = bool(cfg.snapshot_dir) and start_recording(100_000)
         self.token = _NEST.set(_Nest((nest.states if nest else ()) + (state,), self.gave_up))
 
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         """The call is over, however it ended."""
+        self.result = None
         _NEST.reset(self.token)
         if self.saved is not None:
             self.saved.discard()
@@ -270,6 +377,23 @@ class _Run:
                             f".pickle")
         return dump(path)
 
+    # -- the loop ---------------------------------------------------------------------------
+    def __iter__(self) -> _Run:
+        return self
+
+    def __next__(self) -> tuple[tuple, dict]:
+        """The next attempt's arguments, after freeing the failed one's memory."""
+        if self.done:
+            raise StopIteration
+        if self.retrying:
+            self.retrying = False
+            self.recover()
+        return self.arguments()
+
+    def attempt(self) -> _Attempting:
+        """The ``with`` block around one call of the function."""
+        return _Attempting(self)
+
     # -- one attempt -----------------------------------------------------------------------
     def steps(self) -> Optional[int]:
         if not self.cfg.keep_effective_batch:
@@ -280,8 +404,8 @@ class _Run:
         self.bound.arguments[self.cfg.arg] = self.size
         if self.cfg.keep_effective_batch:
             self.bound.arguments[self.cfg.accumulation_arg] = self.steps()
-        if self.cfg.factor == "auto":
-            self.before = {d: _safe_available(d) for d in watched_devices()}
+        if self.gauge is not None:
+            self.gauge.start()
         self.started = time.perf_counter()
         return self.bound.args, self.bound.kwargs
 
@@ -292,46 +416,24 @@ class _Run:
             return None
         if self.size <= self.cfg.min_batch_size:
             return None
-        upcoming = policy_size(self.cfg.factor, self.size)
-        if upcoming is None:  # "auto": what the failed attempt measured, else halve
-            upcoming = self.estimate if self.estimate is not None else self.size // 2
-        upcoming = max(self.cfg.min_batch_size, upcoming)
+        upcoming = next_size(self.cfg.factor, self.size, self.cfg.min_batch_size,
+                             self.estimate)
         if self.cfg.factor == "auto" or callable(self.cfg.factor):
             upcoming = self.agreement.smallest(upcoming)  # sizes measured per rank
         return upcoming
 
-    def _measure(self, exc: BaseException) -> None:
-        """Inside ``except``, for ``factor="auto"``: the next size from what the failed
-        attempt had taken and asked for against what was available when it began."""
-        self.estimate = None
-        device = oom_device(exc)
-        if device == "cuda":
-            device = next((d for d in self.before if d.startswith("cuda:")), device)
-        before = self.before.get(device)
-        now = _safe_available(device)
-        asked = requested_bytes(exc)
-        if before is None or now is None or asked is None:
-            log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
-                      "%s, asked %s); halving", self.cfg.name, device, before, asked)
-            return
-        need = max(0, before - now) + asked
-        self.estimate = size_after_oom(self.size, need, before)
-        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s",
-                  self.cfg.name, self.size, format_bytes(need), format_bytes(before), device,
-                  self.estimate)
-
     def failed(self, exc: BaseException) -> bool:
-        """Inside ``except``: record and decide. False: not an out-of-memory, re-raise it."""
+        """Inside ``except``: record and decide. False: not an out-of-memory, let it go."""
         seconds = time.perf_counter() - self.started
         mine = OOM if oom_kind(exc) is not None else FAILED
         worst, _ = self.agreement.agree(mine, self.size)
         if mine == FAILED:
             return False
-        self.attempts.append(Attempt(self.size, self.steps(), False, error_text(exc), seconds,
-                                     safe_snapshot(), self._dump()))
+        self.attempts.append(failure(exc, self.size, self.steps(), seconds,
+                                     snapshot_path=self._dump()))
         emit(f"OOM at {self.cfg.arg}={self.size}")
-        if self.cfg.factor == "auto":
-            self._measure(exc)  # while the failed attempt still holds its memory
+        if self.gauge is not None:  # while the failed attempt still holds its memory
+            self.estimate = self.gauge.size_after(exc, self.size)
         drop_frames(exc)  # before any raise: the error's __cause__ must not keep the frames
         if worst == FAILED:
             raise MemguardError(f"{self.cfg.name}: another rank failed with an error that is "
@@ -340,21 +442,24 @@ class _Run:
         self._decide(exc)
         return True
 
-    def succeeded(self) -> bool:
-        """After a return: True when every rank succeeded too."""
+    def returned(self) -> None:
+        """After a return: done when every rank succeeded too, else drop the result and
+        retry (or raise)."""
         seconds = time.perf_counter() - self.started
         worst, _ = self.agreement.agree(OK, self.size)
         if worst == OK:
             self.attempts.append(Attempt(self.size, self.steps(), True, None, seconds))
+            self.done = True
             if self.recursive:
-                return True
+                return
             with self.state.lock:
                 self.state.batch_size = self.size
                 if self.cfg.cache:
                     self.state.cache[self.requested] = self.size
             if self.cfg.file is not None and self.key is not None:
                 self.cfg.file.put(self.key, self.size)
-            return True
+            return
+        self.result = None
         why = ("another rank ran out of memory" if worst == OOM else
                "another rank failed with an error that is not an out-of-memory")
         self.attempts.append(Attempt(self.size, self.steps(), False, why, seconds,
@@ -363,23 +468,21 @@ class _Run:
             raise MemguardError(f"{self.cfg.name}: {why}; see that rank's log")
         self.estimate = None  # nothing measured here: "auto" halves
         self._decide(None)
-        return False
 
     def _decide(self, exc: Optional[BaseException]) -> None:
+        """After a failed attempt (recorded last): the size of the next one, or the error."""
         upcoming = self._next_size()
         if upcoming is None:
             if self.nested:
                 self.gave_up[self.state] = self.size
-            tried = "; ".join(f"{a.batch_size} ({memory_summary(a.memory)})"
-                              for a in self.attempts)
-            error = OutOfMemoryError(
-                f"{self.cfg.name}: out of memory at every {self.cfg.arg} tried: {tried}. "
-                f"Lower min_batch_size, free memory held elsewhere, or use a smaller model",
-                self.attempts)
+            error = exhausted(self.cfg.name, f"{self.cfg.arg} tried", self.attempts,
+                              "min_batch_size")
             if exc is not None:
                 raise error from exc
             raise error
+        self.attempts[-1] = dataclasses.replace(self.attempts[-1], next_batch_size=upcoming)
         self.size = upcoming
+        self.retrying = True
 
     # -- between attempts ------------------------------------------------------------------
     def recover(self) -> None:
@@ -393,6 +496,26 @@ class _Run:
                     memory_summary(last.memory), format_bytes(freed), self.cfg.arg, self.size)
         if self.cfg.on_retry is not None:
             self.cfg.on_retry(last)
+
+
+class _Attempting:
+    """The ``with`` block around one attempt (see :class:`_Run`)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
+                 traceback: Any) -> bool:
+        """Inside the exception handling: True suppresses an out-of-memory to retry."""
+        if exc is None:
+            self.run.returned()
+            return False
+        return self.run.failed(exc)
 
 
 def _safe_available(device: str) -> Optional[int]:
@@ -411,6 +534,15 @@ def safe_snapshot() -> Optional[MemorySnapshot]:
         return None
 
 
+def failure(exc: BaseException, batch_size: int, steps: Optional[int], seconds: float,
+            next_batch_size: Optional[int] = None,
+            snapshot_path: Optional[str] = None) -> Attempt:
+    """The record of an attempt that ran out of memory with ``exc``, made inside ``except``
+    while it still holds its memory: the error's text and a snapshot of the memory."""
+    return Attempt(batch_size, steps, False, error_text(exc), seconds, safe_snapshot(),
+                   snapshot_path, next_batch_size)
+
+
 def _wrap(func: F, cfg: _Config) -> F:
     """The wrapt wrapper, with the statistics reachable on the decorated function."""
     state = _State()
@@ -420,54 +552,25 @@ def _wrap(func: F, cfg: _Config) -> F:
                         f"plain and async functions and methods")
 
     def sync_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        run = _Run(cfg, state, wrapped, args, kwargs)
-        try:
-            while True:
-                call_args, call_kwargs = run.arguments()
-                try:
-                    result = wrapped(*call_args, **call_kwargs)
-                except BaseException as exc:
-                    if not run.failed(exc):
-                        raise
-                else:
-                    if run.succeeded():
-                        return result
-                    del result
-                run.recover()
-        finally:
-            run.close()
+        with _Run(cfg, state, wrapped, args, kwargs) as run:
+            for call_args, call_kwargs in run:
+                with run.attempt():
+                    run.result = wrapped(*call_args, **call_kwargs)
+            return run.result
 
     async def async_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        run = _Run(cfg, state, wrapped, args, kwargs)
-        try:
-            while True:
-                call_args, call_kwargs = run.arguments()
-                try:
-                    result = await wrapped(*call_args, **call_kwargs)
-                except BaseException as exc:
-                    if not run.failed(exc):
-                        raise
-                else:
-                    if run.succeeded():
-                        return result
-                    del result
-                run.recover()
-        finally:
-            run.close()
-
-    def reset() -> None:
-        """Forget the working sizes: the next call starts at the requested size."""
-        with state.lock:
-            state.cache.clear()
-            state.batch_size = None
-            state.history = []
+        with _Run(cfg, state, wrapped, args, kwargs) as run:
+            for call_args, call_kwargs in run:
+                with run.attempt():
+                    run.result = await wrapped(*call_args, **call_kwargs)
+            return run.result
 
     return with_statistics(
         func, async_wrapper if kind == "async" else sync_wrapper,
         {"history": (lambda: state.history, "The last call's attempts."),
          "batch_size": (lambda: state.batch_size,
                         "The last size that worked (None before any success).")},
-        reset)
+        state.reset)
 
 
 def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
@@ -542,15 +645,9 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     >>> train.history[-1].ok
     True
     """
-    if batch_size is not None:
-        check_size(batch_size, "batch_size")
-    check_size(min_batch_size, "min_batch_size")
-    if batch_size is not None and min_batch_size > batch_size:
-        raise ValueError(f"oom_retry: min_batch_size={min_batch_size} is larger than "
-                         f"batch_size={batch_size}")
+    check_start(batch_size, min_batch_size, "oom_retry")
     factor = check_policy(factor)
-    if max_attempts is not None:
-        check_size(max_attempts, "max_attempts")
+    optional_positive_int(max_attempts, "max_attempts")
     if not isinstance(cache, bool):
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore)

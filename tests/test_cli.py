@@ -85,6 +85,7 @@ def test_demo_recovers_trains_and_writes_the_timeline(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "out of memory at batch_size=32768" in out  # the whole data set: too big
+    assert "retrying at batch_size=16384" in out  # the size oom_retry runs next
     assert "epoch 3/3 [########################]" in out
     assert "(fits)" in out and "everything held" in out
     assert "Traceback" not in result.stderr
@@ -97,3 +98,21 @@ def test_demo_with_tensorflow(tmp_path):
                       timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tensorflow on cpu" in result.stdout and "everything held" in result.stdout
+
+
+def test_the_demo_prints_the_size_oom_retry_runs_next_whatever_the_factor():
+    import memguard
+    from memguard.demo import retry_line
+
+    lines = []
+
+    @memguard.oom_retry(batch_size=64, factor=0.25, on_retry=lambda a: lines.append(retry_line(a)))
+    def step(batch_size):
+        if batch_size > 4:
+            raise MemoryError(f"{batch_size} samples do not fit")
+        return batch_size
+
+    assert step() == 4
+    assert [line.split("; ")[-1] for line in lines] == ["memory freed, retrying at batch_size=16",
+                                                        "memory freed, retrying at batch_size=4"]
+    assert lines[0].startswith("  out of memory at batch_size=64 after ")

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-import memguard.scope
+import memguard.cleanup
 from memguard.integrations._core import TRAIN, VAL, CallbackBase, Tracker, check_options
 from memguard.retry import error_text
 
@@ -15,14 +15,14 @@ from memguard.retry import error_text
 def settles(monkeypatch):
     """Every cleanup a memory_scope runs at its exit, recorded."""
     calls = []
-    real = memguard.scope.Settler
+    real = memguard.cleanup.Settler
 
     class Spy(real):
         def settle(self, pairs, entry):
             calls.append(self)
             return super().settle(pairs, entry)
 
-    monkeypatch.setattr(memguard.scope, "Settler", Spy)
+    monkeypatch.setattr(memguard.cleanup, "Settler", Spy)
     return calls
 
 
@@ -42,22 +42,22 @@ def test_a_failure_closes_the_open_scopes_measured_but_without_cleanup(settles):
         expected = error_text(exc)
     del block
     assert len(settles) == 1 and tracker.open == {}
-    assert all(s.after is not None and s.freed == 0 and s.cleanup is False for s in scopes)
+    assert all(s.after is not None and s.freed == 0 and s.cleanup == "never" for s in scopes)
     assert record["error"] == expected and "OOM when allocating tensor" in expected
     assert tracker.failures == [record]
 
 
-@pytest.mark.parametrize("cleanup", [True, False, "auto", "always"])
+@pytest.mark.parametrize("cleanup", ["auto", "always", "never"])
 def test_check_options_takes_every_policy_memory_scope_takes(cleanup):
-    assert check_options(None, False, cleanup, None)[2] is cleanup
+    assert check_options(None, False, cleanup, None)[2] == cleanup
 
 
 @pytest.mark.parametrize("cleanup", ["sometimes", 1, 0.0, None])
 def test_check_options_refuses_what_memory_scope_refuses(cleanup):
     with pytest.raises(ValueError) as caught:
         check_options(None, False, cleanup, None)
-    assert str(caught.value) == (f"MemguardCallback: cleanup must be True, False, 'auto' or "
-                                 f"'always', got {cleanup!r}")
+    assert str(caught.value) == (f"MemguardCallback: cleanup must be 'auto', 'always' or "
+                                 f"'never', got {cleanup!r}")
 
 
 @pytest.mark.parametrize("module, framework_callback", [

@@ -88,10 +88,10 @@ def test_max_leak_spares_the_warm_up_epoch_and_names_the_holder():
     assert second.max_leak == 100 << 20 and callback.failures == []
 
 
-def test_cleanup_false_only_measures():
+def test_cleanup_never_only_measures():
     callback = MemguardCallback(cleanup="never")
     trainer(callback, max_epochs=1).fit(Tiny(), DataLoader(DATA, batch_size=16))
-    assert callback.scopes[0].freed == 0 and callback.scopes[0].cleanup is False
+    assert callback.scopes[0].freed == 0 and callback.scopes[0].cleanup == "never"
 
 
 def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
@@ -113,11 +113,11 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
 
 
 def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(monkeypatch):
-    import memguard.scope
+    import memguard.cleanup
     from memguard.retry import error_text
 
     settled = []
-    real = memguard.scope.Settler
+    real = memguard.cleanup.Settler
 
     class Spy(real):
         def settle(self, pairs, entry):
@@ -128,7 +128,7 @@ def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(
         def training_step(self, batch, index):
             torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
 
-    monkeypatch.setattr(memguard.scope, "Settler", Spy)
+    monkeypatch.setattr(memguard.cleanup, "Settler", Spy)
     callback = MemguardCallback(cleanup="always")
     with pytest.raises(RuntimeError) as caught:
         trainer(callback).fit(Fails(), DataLoader(DATA, batch_size=16))

@@ -48,7 +48,7 @@ def test_a_dataset_of_dicts_shrinks_on_a_real_oom_and_records_it():
         return batch["label"].tolist()
 
     out = memguard.map_batches(fn, Tokens(), batch_size=8, on_retry=retries.append)
-    assert sum(out, []) == list(range(12))
+    assert [label for part in out for label in part] == list(range(12))
     assert [len(r) for r in out] == [2, 2, 2, 2, 2, 2]  # 8 fails, 4 fails, then 2 from there
     assert isinstance(out, BatchResults)
     assert [(a.batch_size, a.ok) for a in out.history] == [(8, False), (4, False), (2, True)]
@@ -94,9 +94,79 @@ def test_any_iterable_of_batches_keeps_finished_results_on_partial():
 def test_an_iterable_batch_is_cut_to_batch_size_and_a_sequence_needs_one():
     out = memguard.map_batches(len, iter([list(range(10))]), batch_size=4)
     assert out == [4, 4, 2] and out.history == []
-    with pytest.raises(TypeError, match="needs batch_size=... for a TensorDataset"):
+    with pytest.raises(TypeError, match=r"needs batch_size=\.\.\. for a TensorDataset"):
         memguard.map_batches(len, TensorDataset(torch.arange(3)))
     with pytest.raises(TypeError, match="on_retry must be callable, got 3"):
         memguard.map_batches(len, [1], batch_size=1, on_retry=3)
-    with pytest.raises(TypeError, match="iterable of batches .* got int"):
+    with pytest.raises(TypeError, match=r"iterable of batches .* got int"):
         memguard.map_batches(len, 5, batch_size=1)
+
+
+def test_factor_chooses_the_sizes_tried_and_each_failure_names_the_next():
+    seen, retries = [], []
+
+    def fn(batch):
+        seen.append(len(batch))
+        oom_above(5, len(batch))
+        return len(batch)
+
+    out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor=0.25,
+                               on_retry=retries.append)
+    assert seen[:3] == [64, 16, 4] and sum(out) == 64 and set(out) == {4}
+    assert [(a.batch_size, a.ok, a.next_batch_size) for a in out.history] == [
+        (64, False, 16), (16, False, 4), (4, True, None)]
+    assert [a.next_batch_size for a in retries] == [16, 4]
+    seen.clear()
+    out = memguard.map_batches(fn, torch.arange(10), batch_size=10,
+                               factor=lambda size: size - 3)
+    assert seen == [10, 7, 4, 4, 2] and out == [4, 4, 2]  # 10 -> 7 -> 4, then 4 on from there
+    assert [a.next_batch_size for a in out.history] == [7, 4, None]
+
+
+def test_auto_factor_measures_what_the_failed_call_asked_for():
+    seen = []
+
+    def fn(batch):
+        seen.append(len(batch))
+        oom_above(10, len(batch))  # asks for 16 TiB: far more than any budget here
+        return len(batch)
+
+    out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor="auto")
+    # the measured size is kept to a quarter at the least: not halving's 32
+    assert seen[:3] == [64, 16, 4] and sum(out) == 64
+    assert [a.next_batch_size for a in out.history if not a.ok] == [16, 4]
+
+    def unsized(batch):
+        seen.append(len(batch))
+        if len(batch) > 10:
+            raise MemoryError()  # no size stated: nothing to measure, so it halves
+        return len(batch)
+
+    seen.clear()
+    assert memguard.map_batches(unsized, list(range(16)), batch_size=16,
+                                factor="auto") == [8, 8]
+    assert seen == [16, 8, 8]
+
+
+@pytest.mark.parametrize("factor, match", [
+    (1.0, "factor must be a number between 0 and 1"),
+    (0, "factor must be a number between 0 and 1"),
+    (True, "factor must be a number between 0 and 1"),
+    ("fast", "'auto' or a callable size -> next size, got 'fast'"),
+])
+def test_bad_factors_are_refused(factor, match):
+    with pytest.raises(ValueError, match=match):
+        memguard.map_batches(len, [1, 2], batch_size=2, factor=factor)
+
+
+def test_a_callable_factor_that_does_not_shrink_is_refused_when_used():
+    def stubborn(size):
+        return size
+
+    with pytest.raises(ValueError, match=r"map_batches: factor .*stubborn\(8\) returned 8; it "
+                                         r"must return a positive int smaller than 8"):
+        memguard.map_batches(lambda b: oom_above(1, len(b)), list(range(8)), batch_size=8,
+                             factor=stubborn)
+    with pytest.raises(ValueError, match="map_batches: min_batch_size=4 is larger than the "
+                                         "starting batch_size=2"):
+        memguard.map_batches(len, [1, 2], batch_size=2, min_batch_size=4)

@@ -65,7 +65,7 @@ def grads(model):
 
 
 def assert_close(a, b, tol=1e-6):
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert (x - y).abs().max().item() <= tol
 
 
@@ -81,20 +81,22 @@ def test_whole_batch_that_fits_is_one_plain_backward():
     expected = F.mse_loss(ref(x), y)
     expected.backward()
     assert loss.shape == () and not loss.requires_grad and torch.equal(loss, expected.detach())
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)  # bit for bit: no weighting, no slicing
     assert loss_of.microbatch_size is None and [a.ok for a in loss_of.history] == [True]
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-@pytest.mark.parametrize("n, sizes", [(256, [256, 128, 64]), (250, [250, 125, 62])])
-def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, sizes):
+@pytest.mark.parametrize("n, factor, sizes", [(256, 0.5, [256, 128, 64]),
+                                              (250, 0.5, [250, 125, 62]),
+                                              (256, 0.3, [256, 76, 22])])
+def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, factor, sizes):
     model, ref = pair()
     setattr(model, f"{where}_limit", 70)
     x, y = data(n)
     seen = []
 
-    @memguard.auto_microbatch(model)
+    @memguard.auto_microbatch(model, factor=factor)
     def loss_of(batch):
         seen.append(len(batch[0]))
         return F.mse_loss(model(batch[0]), batch[1])
@@ -104,6 +106,7 @@ def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, sizes):
     expected.backward()
     assert [a.batch_size for a in loss_of.history] == sizes
     assert [a.ok for a in loss_of.history] == [False, False, True]
+    assert [a.next_batch_size for a in loss_of.history] == sizes[1:] + [None]
     assert "torch CPU allocator" in loss_of.history[0].error
     assert loss_of.history[-1].accumulation_steps == -(-n // sizes[-1])
     if n == 250:  # 62 + 62 + 62 + 62 + 2, the last weighted by its own length
@@ -171,7 +174,7 @@ def test_other_errors_propagate_at_once_with_entry_gradients_restored():
     with pytest.raises(ValueError, match="bad sample"):
         loss_of((x, y))
     assert calls == [256, 128, 64, 64]
-    assert all(p.grad is g for p, g in zip(model.parameters(), entry))
+    assert all(p.grad is g for p, g in zip(model.parameters(), entry, strict=True))
     assert_close(grads(model), entry_values, 0.0)
 
 
@@ -203,7 +206,7 @@ def test_interrupt_is_never_retried():
         try:
             torch.empty(1 << 60)
         except RuntimeError:
-            raise KeyboardInterrupt  # Ctrl-C while handling an out-of-memory
+            raise KeyboardInterrupt  # noqa: B904 - Ctrl-C while handling an out-of-memory
         return F.mse_loss(model(batch[0]), batch[1])
 
     with pytest.raises(KeyboardInterrupt):
@@ -265,7 +268,7 @@ def test_growing_on_a_short_batch_remembers_only_what_it_saw():
     loss_of((x[:90], y[:90]))  # the short last batch of an epoch: grows to 90, which fits
     assert loss_of.microbatch_size == 90
     loss_of((x, y))  # a full batch starts at 90, not at the whole 256
-    assert [a.batch_size for a in loss_of.history][0] == 90
+    assert loss_of.history[0].batch_size == 90
 
 
 def test_smaller_batches_than_the_remembered_size_run_whole():
@@ -361,7 +364,7 @@ def test_bad_values_are_refused_at_decoration():
                           ({"scaler": 3}, TypeError)]:
         with pytest.raises(error):
             memguard.auto_microbatch(model, **kwargs)
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         memguard.auto_microbatch(object())
     with pytest.raises(TypeError, match="takes the model first"):
         memguard.auto_microbatch(lambda batch: batch)
@@ -375,11 +378,11 @@ def test_bad_values_are_refused_at_decoration():
 def test_bad_batches_and_losses_are_clear_errors():
     model = Net()
     step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b), torch.zeros(len(b), 1)))
-    with pytest.raises(TypeError, match="cannot split a batch of type builtins.float"):
+    with pytest.raises(TypeError, match=r"cannot split a batch of type builtins\.float"):
         step(3.0)
     with pytest.raises(ValueError, match="empty batch"):
         step(torch.ones(0, 8))
-    with pytest.raises(TypeError, match="must return the loss as a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"must return the loss as a torch\.Tensor"):
         memguard.auto_microbatch(model)(lambda b: 1.0)(torch.ones(4, 8))
     with pytest.raises(TypeError, match="scalar loss"):
         memguard.auto_microbatch(model)(lambda b: model(b))(torch.ones(4, 8))
@@ -432,7 +435,7 @@ def test_concurrent_steps_of_two_models_in_threads():
         for _ in range(3):
             F.mse_loss(ref(x), y).backward()
         results[name] = max((p.grad - q.grad).abs().max().item()
-                            for p, q in zip(model.parameters(), ref.parameters()))
+                            for p, q in zip(model.parameters(), ref.parameters(), strict=True))
 
     threads = [threading.Thread(target=train, args=(n,)) for n in ("a", "bb")]
     for t in threads:
@@ -487,5 +490,5 @@ def test_a_tiny_gpt2_on_a_batch_encoding_splits_with_the_whole_batch_gradients()
     assert set(seen) == {"BatchEncoding"}
     assert abs(loss.item() - expected.item()) < 1e-5
     worst = max((p.grad - q.grad).abs().max().item()
-                for p, q in zip(model.parameters(), reference.parameters()))
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True))
     assert worst < 1e-5

@@ -7,7 +7,6 @@ never reaches. Every run has a deadline, so a hang fails the test instead of the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,10 +140,10 @@ def test_oom_on_one_rank_in_backward_or_forward_hangs_no_one_and_weights_stay_ex
     expected, expected_losses = reference()
     for out in outputs:
         assert out["weights"] == outputs[0]["weights"]
-        for got, want in zip(out["weights"], expected):
+        for got, want in zip(out["weights"], expected, strict=True):
             assert (torch.tensor(got) - want).abs().max().item() < 1e-5
     per_step = [sum(out["losses"][s] for out in outputs) / 3 for s in range(5)]
-    assert max(abs(a - b) for a, b in zip(per_step, expected_losses)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(per_step, expected_losses, strict=True)) < 1e-5
     # a non-OOM error on one rank: raised there, a clear error on the others, no hang
     assert outputs[0]["broken"] == "ValueError: rank 0 has bad data"
     for rank in (1, 2):

@@ -129,7 +129,7 @@ def test_other_exceptions_propagate_untouched_with_their_traceback():
         calls.append(batch_size)
         raise error
 
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="bad labels") as info:
         train()
     assert info.value is error and calls == [16]
     assert info.traceback[-1].name == "train"
@@ -281,3 +281,64 @@ def test_the_final_error_does_not_keep_the_last_attempts_tensors():
         with pytest.raises(memguard.OutOfMemoryError) as info:
             call()
         assert refs and all(r() is None for r in refs), info.value
+
+
+def test_each_failed_attempt_names_the_size_the_next_one_runs_at():
+    calls = []
+    train = memguard.oom_retry(batch_size=64, factor=0.25, min_batch_size=2)(workload(3, calls))
+    assert train() == 2 and [b for b, _ in calls] == [64, 16, 4, 2]
+    history = train.history
+    assert [(a.batch_size, a.next_batch_size) for a in history] == [(64, 16), (16, 4), (4, 2),
+                                                                   (2, None)]
+    assert str(history[0]).endswith("; next batch_size=16") and "next" not in str(history[-1])
+    assert history[0].to_dict()["next_batch_size"] == 16
+    seen = []
+    train = memguard.oom_retry(batch_size=8, factor=lambda size: max(1, size - 3),
+                               on_retry=seen.append)(workload(0, None))
+    with pytest.raises(memguard.OutOfMemoryError) as info:
+        train()
+    assert [(a.batch_size, a.next_batch_size) for a in seen] == [(8, 5), (5, 2), (2, 1)]
+    assert [(a.batch_size, a.next_batch_size) for a in info.value.attempts][-1] == (1, None)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_recovery_runs_once_the_failed_attempt_and_its_exception_are_gone(kind):
+    """The decision is taken inside the exception handling, the cleanup outside it: when
+    on_retry runs, no exception is being handled and the failed attempt's tensors are freed."""
+    import sys
+    import weakref
+
+    refs, seen = [], []
+
+    def body(batch_size):
+        held = torch.ones(1000)
+        refs.append(weakref.ref(held))
+        torch.empty(batch_size * (1 << 42) if batch_size > 2 else batch_size)
+        return batch_size
+
+    def on_retry(attempt):
+        seen.append((sys.exc_info()[1], [r() is None for r in refs]))
+
+    async def async_body(batch_size):
+        return body(batch_size)
+
+    if kind == "sync":
+        assert memguard.oom_retry(batch_size=8, on_retry=on_retry)(body)() == 2
+    else:
+        step = memguard.oom_retry(batch_size=8, on_retry=on_retry)(async_body)
+        assert asyncio.run(step()) == 2
+    assert seen == [(None, [True]), (None, [True, True])]
+
+
+def test_other_exceptions_leave_an_async_function_untouched_with_their_traceback():
+    error = ValueError("bad labels")
+
+    @memguard.oom_retry(batch_size=16)
+    async def train(batch_size):
+        raise error
+
+    with pytest.raises(ValueError, match="bad labels") as info:
+        asyncio.run(train())
+    assert info.value is error and info.traceback[-1].name == "train"
+    assert info.value.__cause__ is None and info.value.__context__ is None
+    assert [a.ok for a in train.history] == []

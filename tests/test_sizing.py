@@ -183,14 +183,12 @@ def test_a_callable_factor_chooses_the_next_size_and_is_checked():
 
 
 def test_requested_bytes_are_read_from_real_messages():
-    try:
+    with pytest.raises(RuntimeError) as torch_oom:
         real_oom()
-    except RuntimeError as exc:
-        assert requested_bytes(exc) == HUGE * 4
-    try:
+    assert requested_bytes(torch_oom.value) == HUGE * 4
+    with pytest.raises(MemoryError) as numpy_oom:
         np.empty(1 << 50)
-    except MemoryError as exc:
-        assert requested_bytes(exc) == 8 << 50
+    assert requested_bytes(numpy_oom.value) == 8 << 50
     text = "OOM when allocating tensor with shape[1024,256] and type float on /job:localhost"
     assert requested_bytes(RuntimeError(text)) == 1024 * 256 * 4
     assert requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 2.50 GiB")) \
@@ -267,7 +265,7 @@ def test_restore_makes_a_retried_call_equal_one_that_fitted_at_once():
 
     fresh, fresh_optimizer, fresh_scheduler, fresh_train = _training(True)
     fresh_train(16)
-    for mine, theirs in zip(model.parameters(), fresh.parameters()):
+    for mine, theirs in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(mine, theirs)
     assert optimizer.state_dict()["state"][0]["step"] == fresh_optimizer.state_dict()[
         "state"][0]["step"]
@@ -275,7 +273,8 @@ def test_restore_makes_a_retried_call_equal_one_that_fitted_at_once():
 
     plain, _, _, plain_train = _training(False)  # control: without restore they differ
     memguard.oom_retry(batch_size=64, factor=0.25)(plain_train)()
-    assert not all(torch.equal(a, b) for a, b in zip(plain.parameters(), fresh.parameters()))
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(plain.parameters(), fresh.parameters(), strict=True))
 
 
 def test_restore_keeps_gradients_and_spills_large_state_to_a_file():
@@ -290,8 +289,8 @@ def test_restore_keeps_gradients_and_spills_large_state_to_a_file():
             p.add_(1.0)
             p.grad = None
     saved.load()
-    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     path = saved.path
     saved.discard()
     assert not os.path.exists(path)
@@ -411,7 +410,7 @@ def test_the_size_file_lock_closes_its_descriptor_when_flock_fails(tmp_path, mon
         with sizes._FileLock(str(tmp_path / "sizes.json.lock")):
             pass
     assert len(opened) == 1
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(opened[0])  # closed
 
 
