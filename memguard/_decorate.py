@@ -26,7 +26,8 @@ def _wrapper_classes() -> tuple[type, type]:
         return self  # functions are immutable for copy purposes
 
     class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
-        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:  # as a bound method: getattr(obj, name)
+        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+            # as a bound method pickles: getattr(obj, name)
             owner = self._self_owner if self._self_instance is None else self._self_instance
             return getattr, (owner, self.__name__)
 
@@ -35,7 +36,8 @@ def _wrapper_classes() -> tuple[type, type]:
     class Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
         __bound_function_wrapper__ = Bound
 
-        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:  # a global's name: pickle looks it up
+        def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+            # as a function pickles: by its global name, which pickle looks up
             return self.__qualname__
 
         __copy__ = __deepcopy__ = copy

@@ -350,11 +350,12 @@ def _trace_graphs(tensors: list[Any], rows: list[TensorRow], keys: list[Any],
         root = owner.get(key)
         if root is not None and root != row.id:
             saved[row.id] = root
-    for (device, dtype, shape, nbytes, key), root in extra:
-        ident = -key[1]
-        rows.append(TensorRow("torch", device, dtype, shape, nbytes, False, None, ident,
-                              roots[root][1]))
-        keys.append(key)
+    for saving, root in extra:
+        device, pointer = saving.key
+        ident = -pointer  # a storage without a tensor object: named by its data pointer
+        rows.append(TensorRow("torch", device, saving.dtype, saving.shape, saving.nbytes,
+                              False, None, ident, roots[root][1]))
+        keys.append(saving.key)
         saved[ident] = root
 
 

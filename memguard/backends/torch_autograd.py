@@ -46,13 +46,13 @@ def _saved_of(node: Any, tensor_type: type) -> list[Any]:
 
 
 class Saving(NamedTuple):
-    """A storage an autograd graph saved: where, what, its bytes and its storage key."""
+    """A storage an autograd graph saved: its key (device, data pointer), then what the
+    census reports of it."""
 
-    device: str
+    key: tuple[str, int]
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    key: tuple[str, int]
 
 
 Root = tuple[str, Any]
@@ -149,8 +149,8 @@ def _row(tensor: Any) -> Optional[Saving]:
         if not pointer:
             return None
         device = _name(tensor.device)
-        return Saving(device, _name(tensor.dtype), tuple(tensor.shape), storage.nbytes(),
-                      (device, pointer))
+        return Saving((device, pointer), _name(tensor.dtype), tuple(tensor.shape),
+                      storage.nbytes())
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return None
 
