@@ -25,7 +25,7 @@ def _wrapper_classes() -> tuple[type, type]:
     def copy(self: Any, memo: Any = None) -> Any:
         return self  # functions are immutable for copy purposes
 
-    class Bound(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+    class Bound(wrapt.BoundFunctionWrapper):
         def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
             # as a bound method pickles: getattr(obj, name)
             owner = self._self_owner if self._self_instance is None else self._self_instance
@@ -33,7 +33,7 @@ def _wrapper_classes() -> tuple[type, type]:
 
         __copy__ = __deepcopy__ = copy
 
-    class Wrapper(wrapt.FunctionWrapper):  # type: ignore[misc]
+    class Wrapper(wrapt.FunctionWrapper):
         __bound_function_wrapper__ = Bound
 
         def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
@@ -93,7 +93,7 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             with context():
                 return wrapped(*args, **kwargs)
-    return _wrapper_classes()[0](func, wrapper)  # type: ignore[no-any-return]
+    return _wrapper_classes()[0](func, wrapper)
 
 
 def name_of(func: Any) -> str:

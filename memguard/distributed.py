@@ -27,7 +27,7 @@ def check_sync(sync: object, who: str = "sync") -> Sync:
     """
     if not (sync is True or sync is False or sync == "auto"):
         raise ValueError(f"{who}: sync must be True, False or 'auto', got {sync!r}")
-    return sync  # type: ignore[return-value]
+    return sync
 
 
 class Agreement:

@@ -135,7 +135,7 @@ def check_policy(factor: Any) -> Factor:
     if factor == "auto" and isinstance(factor, str):
         return "auto"
     if callable(factor):
-        return factor  # type: ignore[no-any-return]
+        return factor
     if isinstance(factor, str):
         raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
                          f"callable size -> next size, got {factor!r}")

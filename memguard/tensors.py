@@ -104,14 +104,14 @@ class TensorInfo:
     _row: TensorRow
     _cache: dict[str, Any]
 
-    framework: str = _field("framework", "``torch`` or ``tensorflow``.")  # type: ignore[assignment]
-    device: str = _field("device", "``cpu``, ``cuda:0``, ``GPU:0``...")  # type: ignore[assignment]
-    dtype: str = _field("dtype", "``float32``...")  # type: ignore[assignment]
-    shape: tuple[int, ...] = _field("shape", "The tensor's shape.")  # type: ignore[assignment]
-    nbytes: int = _field("nbytes", "Bytes of storage counted here.")  # type: ignore[assignment]
-    is_view: bool = _field("is_view", "Whether it views another's storage.")  # type: ignore[assignment]
-    name: Optional[str] = _field("name", "The parameter's name, if known.")  # type: ignore[assignment]
-    id: int = _field("id", "``id()`` of the tensor.")  # type: ignore[assignment]
+    framework: str = _field("framework", "``torch`` or ``tensorflow``.")
+    device: str = _field("device", "``cpu``, ``cuda:0``, ``GPU:0``...")
+    dtype: str = _field("dtype", "``float32``...")
+    shape: tuple[int, ...] = _field("shape", "The tensor's shape.")
+    nbytes: int = _field("nbytes", "Bytes of storage counted here.")
+    is_view: bool = _field("is_view", "Whether it views another's storage.")
+    name: Optional[str] = _field("name", "The parameter's name, if known.")
+    id: int = _field("id", "``id()`` of the tensor.")
 
     def __init__(self, framework: str, device: str, dtype: str, shape: tuple[int, ...],
                  nbytes: int, is_view: bool = False, name: Optional[str] = None,

@@ -258,6 +258,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     rows: list[TensorRow] = []
     keys: list[Any] = []
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
+    make = tuple.__new__  # TensorRow(...) without its argument handling: 0.2 us, not 0.5
     for tensor in tensors:
         try:
             storage, pointer = owned_storage(tensor)
@@ -266,9 +267,9 @@ def census_rows(tensors: list[Any], names: dict[int, str]
             device, dtype = tensor.device, tensor.dtype
             device = known.get(device) or dtype_name(device)
             ident = id(tensor)
-            add_row(TensorRow("torch", device, known.get(dtype) or dtype_name(dtype),
-                              tensor.shape, storage.nbytes(), tensor._is_view(),
-                              names.get(ident), ident, ref(tensor)))
+            add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
+                                     tensor.shape, storage.nbytes(), tensor._is_view(),
+                                     names.get(ident), ident, ref(tensor))))
             add_key((device, pointer))
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             continue
