@@ -106,7 +106,7 @@ def deprecated(message: str) -> None:
     """Warn with a ``DeprecationWarning`` pointing at the first caller outside memguard, so
     the warning names the user's line however deep inside memguard the old spelling is read.
     """
-    level, frame = 2, sys._getframe(1)
+    level, frame = 2, sys._getframe(1)  # noqa: SLF001 - the caller's frames: no public way to walk them
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     warnings.warn(message, DeprecationWarning, stacklevel=level)

@@ -50,7 +50,7 @@ class ForkSafeLock:
 
 def _recreate_in_child() -> None:
     for lock in list(_all):
-        lock._lock = lock._factory()
+        lock._lock = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
 
 
 if hasattr(os, "register_at_fork"):

@@ -75,7 +75,7 @@ def _device_matches(wanted: Optional[str], device: str) -> bool:
 
 def _field(name: str, doc: str) -> Any:
     index = TensorRow._fields.index(name)  # read by position: a census makes thousands
-    return property(lambda info: info._row[index], doc=doc)
+    return property(lambda info: info._row[index], doc=doc)  # noqa: SLF001 - this module's TensorInfo
 
 
 _REF = TensorRow._fields.index("ref")
@@ -387,7 +387,7 @@ def created_since(before: dict[int, Any], infos: list[TensorInfo]) -> list[Tenso
         old = before.get(info.id, False)
         if old is False:
             new.append(info)
-        elif old is not None and info._ref is not None and old() is not info._ref():
+        elif old is not None and info._ref is not None and old() is not info._ref():  # noqa: SLF001 - this module's TensorInfo
             new.append(info)  # the id was reused by a new tensor
     return _share_holders(new)
 
@@ -519,11 +519,11 @@ def _share_holders(infos: list[TensorInfo],
     the graphs that saved them) in one walk. ``graphs`` is what the census traced; without
     it, what the infos' own census traced is kept."""
     if graphs is None:
-        graphs, caches = {}, {id(info._cache): info._cache for info in infos}
+        graphs, caches = {}, {id(info._cache): info._cache for info in infos}  # noqa: SLF001 - this module's TensorInfo
         for cache in caches.values():
             for part in ("saved", "roots"):
                 graphs.setdefault(part, {}).update(cache.get(part, {}))
-    shared: dict[str, Any] = {"batch": [(i.id, i._ref) for i in infos[:HOLDER_BATCH]],
+    shared: dict[str, Any] = {"batch": [(i.id, i._ref) for i in infos[:HOLDER_BATCH]],  # noqa: SLF001 - this module's TensorInfo
                               "holders": {}, "saved": graphs.get("saved", {}),
                               "roots": graphs.get("roots", {})}
     set_cache = _CACHE_SLOT.__set__
@@ -545,7 +545,7 @@ def describe_leaks(leaks: list[TensorInfo], groups: int = 3) -> list[str]:
     """
     if not leaks:
         return []
-    cache = leaks[0]._cache
+    cache = leaks[0]._cache  # noqa: SLF001 - this module's TensorInfo
     saved, roots = cache.get("saved", {}), cache.get("roots", {})
     batch = {ident for ident, _ in cache.get("batch", [])}
     order: dict[Any, list[TensorInfo]] = {}
@@ -583,7 +583,7 @@ def _running_frames() -> list[tuple[types.FrameType, dict]]:
     ones, and a local naming it would make a cycle keeping the caller's frames (and the
     tensors they hold) alive until the next full collection."""
     found = []
-    tops = list(sys._current_frames().values())
+    tops = list(sys._current_frames().values())  # noqa: SLF001 - every thread's frames: no public way
     for top in tops:
         frame: Optional[types.FrameType] = top
         while frame is not None:

@@ -268,7 +268,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
             device = known.get(device) or dtype_name(device)
             ident = id(tensor)
             add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
-                                     tensor.shape, storage.nbytes(), tensor._is_view(),
+                                     tensor.shape, storage.nbytes(), tensor._is_view(),  # noqa: SLF001 - torch's view test, no public equivalent
                                      names.get(ident), ident, ref(tensor))))
             add_key((device, pointer))
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
@@ -296,17 +296,17 @@ def history_supported() -> bool:
 
 def start_history(max_entries: int) -> None:
     """Start recording CUDA allocation history (stack traces included)."""
-    _torch().cuda.memory._record_memory_history(max_entries=max_entries)
+    _torch().cuda.memory._record_memory_history(max_entries=max_entries)  # noqa: SLF001 - torch's documented memory-history API
 
 
 def dump_history(path: str) -> None:
     """Write the recorded history as a snapshot pickle (for PyTorch's memory_viz page)."""
-    _torch().cuda.memory._dump_snapshot(path)
+    _torch().cuda.memory._dump_snapshot(path)  # noqa: SLF001 - torch's documented memory-history API
 
 
 def stop_history() -> None:
     """Stop recording CUDA allocation history."""
-    _torch().cuda.memory._record_memory_history(enabled=None)
+    _torch().cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001 - torch's documented memory-history API
 
 
 # -- limits -------------------------------------------------------------------------------------

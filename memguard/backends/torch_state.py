@@ -49,7 +49,7 @@ def _to_host(value: Any) -> Any:
         out = dict(items) if type(value) is dict else type(value)(items)
         metadata = getattr(value, "_metadata", None)  # a module's state_dict versions
         if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]  # noqa: SLF001 - a state_dict's version metadata
         return out
     if isinstance(value, list):
         return [_to_host(v) for v in value]

@@ -107,7 +107,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
 def _calling_trainer() -> Optional[Any]:
     """The ``Trainer`` whose method runs the callbacks (the Trainer does not hand itself to
     them): the first frame up the stack whose ``self`` is one; ``None`` if none is."""
-    frame: Optional[types.FrameType] = sys._getframe(1)
+    frame: Optional[types.FrameType] = sys._getframe(1)  # noqa: SLF001 - the Trainer is found on the stack
     for _ in range(12):
         if frame is None:
             return None
