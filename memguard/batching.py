@@ -18,9 +18,19 @@ from .backends.budget import available as budget_available, watched_devices
 from .cleanup import drop_frames, free_memory
 from .distributed import Agreement, Sync
 from .errors import OutOfMemoryError, oom_kind
-from .retry import Attempt, Factor, Gauge, check_policy, check_start, error_text, failure, next_size
+from .retry import Attempt, error_text, failure
 from .scope import peak_book
-from .sizes import MemoryFit, SizeFile, check_path, size_key
+from .sizes import (
+    Factor,
+    Gauge,
+    MemoryFit,
+    SizeFile,
+    check_path,
+    check_policy,
+    check_start,
+    next_size,
+    size_key,
+)
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")

@@ -36,7 +36,8 @@ from .backends import torch_distributed, torch_training as training
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
 from .errors import MemguardError, oom_kind
-from .retry import Attempt, GuardState, exhausted, failure, memory_summary, next_size
+from .retry import Attempt, GuardState, exhausted, failure, memory_summary
+from .sizes import next_size
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])

@@ -15,32 +15,38 @@ import math
 import os
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
-from ._checks import fraction, optional_positive_int, positive_int
+from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import format_bytes
 from .backends import level_field, torch_state
-from .backends.budget import available as budget_available, watched_devices
+from .backends.budget import available as budget_available
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
 from .errors import (
     OOM_MESSAGES,
     MemguardError,
     OutOfMemoryError,
-    oom_device,
     oom_kind,
-    requested_bytes,
 )
 from .history import dump, start_recording, stop_recording
-from .sizes import SizeFile, check_path, size_after_oom, size_key
+from .sizes import (
+    Factor,
+    Gauge,
+    SizeFile,
+    check_path,
+    check_policy,
+    check_start,
+    next_size,
+    size_key,
+)
 from .snapshot import MemorySnapshot, snapshot
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
-Factor = Union[float, Literal["auto"], Callable[[int], int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,85 +122,6 @@ def error_text(exc: BaseException) -> str:
     if len(line) > 240:
         line = line[:237] + "..."
     return f"out of memory ({oom_kind(exc)}): {line}"
-
-
-def check_start(size: Any, min_batch_size: Any, who: str, name: str = "batch_size") -> None:
-    """The starting size ``size`` (``None``: not known yet) and ``min_batch_size`` as positive
-    ints, ``min_batch_size`` no larger than ``size``; else a ``ValueError`` naming them."""
-    if size is not None:
-        positive_int(size, name)
-    positive_int(min_batch_size, "min_batch_size")
-    if size is not None and min_batch_size > size:
-        raise ValueError(f"{who}: min_batch_size={min_batch_size} is larger than the starting "
-                         f"{name}={size}; lower min_batch_size or start larger")
-
-
-def check_policy(factor: Any) -> Factor:
-    """``factor`` as ``oom_retry`` and ``map_batches`` take it: a fraction, ``"auto"`` or a
-    callable."""
-    if factor == "auto" and isinstance(factor, str):
-        return "auto"
-    if callable(factor):
-        return factor
-    if isinstance(factor, str):
-        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
-                         f"callable size -> next size, got {factor!r}")
-    return fraction(factor, "factor")
-
-
-def next_size(factor: Factor, size: int, minimum: int, estimate: Optional[int] = None,
-              who: str = "oom_retry") -> int:
-    """The size after an out-of-memory at ``size`` (above ``minimum``): ``floor(size *
-    factor)``, what a callable ``factor`` returns (checked: a positive int below ``size``), or
-    for ``"auto"`` the measured ``estimate`` (half when nothing was measured); never below
-    ``minimum``.
-
-    >>> next_size(0.25, 64, 1), next_size("auto", 64, 1), next_size(lambda s: s - 30, 64, 40)
-    (16, 32, 40)
-    """
-    if factor == "auto":
-        upcoming = estimate if estimate is not None else size // 2
-    elif callable(factor):
-        upcoming = factor(size)
-        if isinstance(upcoming, bool) or not isinstance(upcoming, int) or not 0 < upcoming < size:
-            raise ValueError(f"{who}: factor {name_of(factor)}({size}) returned {upcoming!r}; "
-                             f"it must return a positive int smaller than {size}")
-    else:
-        upcoming = math.floor(size * factor)
-    return max(minimum, upcoming)
-
-
-class Gauge:
-    """What ``factor="auto"`` measures of one attempt: what each watched device could still
-    give when it began (:meth:`start`) and, inside ``except`` while the failed attempt still
-    holds its memory, what it took and asked for (:meth:`size_after`)."""
-
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self.before: dict[str, Optional[int]] = {}
-
-    def start(self) -> None:
-        """Before an attempt."""
-        self.before = {d: _safe_available(d) for d in watched_devices()}
-
-    def size_after(self, exc: BaseException, size: int) -> Optional[int]:
-        """Inside ``except``: the size the failed attempt's measured memory says fits (see
-        :func:`~memguard.sizes.size_after_oom`), ``None`` when it cannot be measured."""
-        device = oom_device(exc)
-        if device == "cuda":
-            device = next((d for d in self.before if d.startswith("cuda:")), device)
-        before = self.before.get(device)
-        now = _safe_available(device)
-        asked = requested_bytes(exc)
-        if before is None or now is None or asked is None:
-            log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
-                      "%s, asked %s); halving", self.who, device, before, asked)
-            return None
-        need = max(0, before - now) + asked
-        estimate = size_after_oom(size, need, before)
-        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s", self.who,
-                  size, format_bytes(need), format_bytes(before), device, estimate)
-        return estimate
 
 
 def exhausted(who: str, tried: str, attempts: list[Attempt], minimum: str) -> OutOfMemoryError:
@@ -516,14 +443,6 @@ class _Attempting:
             self.run.returned()
             return False
         return self.run.failed(exc)
-
-
-def _safe_available(device: str) -> Optional[int]:
-    """What ``device`` can still give under its binding budget; ``None`` if unknown."""
-    try:
-        return budget_available(device)
-    except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
-        return None
 
 
 def safe_snapshot() -> Optional[MemorySnapshot]:

@@ -9,6 +9,9 @@ what memory an attempt measured instead of guessed from a fixed factor.
   used and asked for against what the budget could give (``oom_retry(factor="auto")``).
 - :class:`MemoryFit`: memory = fixed + per-sample x size, fitted to measured peaks, and the
   largest size a budget holds (``find_batch_size(mode="predict")``).
+- the size policy ``oom_retry`` and ``map_batches`` share: ``factor`` checked
+  (:func:`check_policy`), the next size (:func:`next_size`), what ``factor="auto"`` measures
+  of an attempt (:class:`Gauge`), a start size checked against ``min_batch_size``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,18 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
-from .backends.budget import device_identity
+from ._checks import fraction, positive_int
+from ._decorate import name_of
+from ._units import format_bytes
+from .backends.budget import available as budget_available, device_identity, watched_devices
+from .errors import oom_device, requested_bytes
 
 log = logging.getLogger("memguard")
 PathLike = Union[str, "os.PathLike[str]"]
+Factor = Union[float, Literal["auto"], Callable[[int], int]]
+"""How the size shrinks after an out-of-memory: a fraction, ``"auto"`` or ``size -> size``."""
 
 AUTO_MARGIN = 0.05
 """The share of the available memory ``factor="auto"`` and ``mode="predict"`` leave unused."""
@@ -271,3 +280,90 @@ class MemoryFit:
             return None
         fixed, slope = line
         return max(0, math.floor((available * (1 - margin) - max(0.0, fixed)) / slope))
+
+
+def check_start(size: Any, min_batch_size: Any, who: str, name: str = "batch_size") -> None:
+    """The starting size ``size`` (``None``: not known yet) and ``min_batch_size`` as positive
+    ints, ``min_batch_size`` no larger than ``size``; else a ``ValueError`` naming them."""
+    if size is not None:
+        positive_int(size, name)
+    positive_int(min_batch_size, "min_batch_size")
+    if size is not None and min_batch_size > size:
+        raise ValueError(f"{who}: min_batch_size={min_batch_size} is larger than the starting "
+                         f"{name}={size}; lower min_batch_size or start larger")
+
+
+def check_policy(factor: Any) -> Factor:
+    """``factor`` as ``oom_retry`` and ``map_batches`` take it: a fraction, ``"auto"`` or a
+    callable."""
+    if factor == "auto" and isinstance(factor, str):
+        return "auto"
+    if callable(factor):
+        return factor
+    if isinstance(factor, str):
+        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
+                         f"callable size -> next size, got {factor!r}")
+    return fraction(factor, "factor")
+
+
+def next_size(factor: Factor, size: int, minimum: int, estimate: Optional[int] = None,
+              who: str = "oom_retry") -> int:
+    """The size after an out-of-memory at ``size`` (above ``minimum``): ``floor(size *
+    factor)``, what a callable ``factor`` returns (checked: a positive int below ``size``), or
+    for ``"auto"`` the measured ``estimate`` (half when nothing was measured); never below
+    ``minimum``.
+
+    >>> next_size(0.25, 64, 1), next_size("auto", 64, 1), next_size(lambda s: s - 30, 64, 40)
+    (16, 32, 40)
+    """
+    if factor == "auto":
+        upcoming = estimate if estimate is not None else size // 2
+    elif callable(factor):
+        upcoming = factor(size)
+        if isinstance(upcoming, bool) or not isinstance(upcoming, int) or not 0 < upcoming < size:
+            raise ValueError(f"{who}: factor {name_of(factor)}({size}) returned {upcoming!r}; "
+                             f"it must return a positive int smaller than {size}")
+    else:
+        upcoming = math.floor(size * factor)
+    return max(minimum, upcoming)
+
+
+class Gauge:
+    """What ``factor="auto"`` measures of one attempt: what each watched device could still
+    give when it began (:meth:`start`) and, inside ``except`` while the failed attempt still
+    holds its memory, what it took and asked for (:meth:`size_after`)."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.before: dict[str, Optional[int]] = {}
+
+    def start(self) -> None:
+        """Before an attempt."""
+        self.before = {d: _safe_available(d) for d in watched_devices()}
+
+    def size_after(self, exc: BaseException, size: int) -> Optional[int]:
+        """Inside ``except``: the size the failed attempt's measured memory says fits (see
+        :func:`~memguard.sizes.size_after_oom`), ``None`` when it cannot be measured."""
+        device = oom_device(exc)
+        if device == "cuda":
+            device = next((d for d in self.before if d.startswith("cuda:")), device)
+        before = self.before.get(device)
+        now = _safe_available(device)
+        asked = requested_bytes(exc)
+        if before is None or now is None or asked is None:
+            log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
+                      "%s, asked %s); halving", self.who, device, before, asked)
+            return None
+        need = max(0, before - now) + asked
+        estimate = size_after_oom(size, need, before)
+        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s", self.who,
+                  size, format_bytes(need), format_bytes(before), device, estimate)
+        return estimate
+
+
+def _safe_available(device: str) -> Optional[int]:
+    """What ``device`` can still give under its binding budget; ``None`` if unknown."""
+    try:
+        return budget_available(device)
+    except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
+        return None
