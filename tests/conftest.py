@@ -35,7 +35,8 @@ def run_python(code: str, timeout: float = 120, env: dict[str, str] | None = Non
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, env=full_env)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

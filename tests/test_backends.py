@@ -107,14 +107,15 @@ def test_active_backends_include_torch_once_imported():
 
 
 def test_activate_rejects_unknown_frameworks():
-    with pytest.raises(ValueError, match="'jax'.*tensorflow, torch"):
+    with pytest.raises(ValueError, match=r"'jax'.*tensorflow, torch"):
         activate("jax")
 
 
 def test_unknown_device_names_are_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match="unknown device 'tpu:3'.*host"):
+    with pytest.raises(ValueError, match=r"unknown device 'tpu:3'.*host"):
         resolve_devices("tpu:3")
-    with pytest.raises(TypeError, match="devices must be a string such as .host. or .cuda:0., got 0"):
+    with pytest.raises(TypeError,
+                       match="devices must be a string such as 'host' or 'cuda:0', got 0 "):
         resolve_devices([0])
 
 

@@ -5,7 +5,6 @@ A hang is the failure this guards against, so every run has a deadline.
 
 from __future__ import annotations
 
-
 import pytest
 
 from budget import free_port, run_ranks

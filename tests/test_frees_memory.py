@@ -8,11 +8,10 @@ import inspect
 
 import pytest
 import torch
+from test_scope import FullCollections, cyclic
 
 import memguard
 from memguard.backends import host
-
-from test_scope import FullCollections, cyclic
 
 MiB = 1 << 20
 
@@ -119,7 +118,7 @@ def test_max_leak_raises_after_cleanup():
     def leaky():
         kept.append(torch.ones(100 * MiB // 4))
 
-    with pytest.raises(memguard.MemoryLeakError, match="leaky.*retained"):
+    with pytest.raises(memguard.MemoryLeakError, match=r"leaky.*retained"):
         leaky()
     kept.clear()
 

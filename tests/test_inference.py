@@ -41,7 +41,7 @@ def test_flags_are_restored_when_the_body_raises():
     other.eval()
     with pytest.raises(ZeroDivisionError):
         with memguard.inference_mode(model, other):
-            1 / 0
+            1 / 0  # noqa: B018 - the division is the error the block raises
     assert flags(model) == [True, True, False, True, False, True]
     assert not any(flags(other))
     assert not torch.is_inference_mode_enabled()
@@ -49,7 +49,7 @@ def test_flags_are_restored_when_the_body_raises():
 
 def test_non_models_are_refused_by_position():
     model = mixed_model()
-    with pytest.raises(TypeError, match="argument 1 is a str, not a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"argument 1 is a str, not a torch\.nn\.Module"):
         memguard.inference_mode(model, "weights.pt")
     with pytest.raises(ValueError, match="cleanup must be 'auto', 'always' or 'never', got 'yes'"):
         memguard.inference_mode(model, cleanup="yes")

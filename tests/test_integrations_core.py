@@ -54,7 +54,7 @@ def test_check_options_takes_every_policy_memory_scope_takes(cleanup):
 
 @pytest.mark.parametrize("cleanup", ["sometimes", 1, 0.0, None])
 def test_check_options_refuses_what_memory_scope_refuses(cleanup):
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(ValueError, match="MemguardCallback: cleanup must be ") as caught:
         check_options(None, False, cleanup, None)
     assert str(caught.value) == (f"MemguardCallback: cleanup must be 'auto', 'always' or "
                                  f"'never', got {cleanup!r}")

@@ -40,7 +40,7 @@ def test_epochs_and_validation_go_into_history_and_batch_logs():
     assert len(history["memory/host/peak"]) == 2 and len(history["val_memory/host/peak"]) == 2
     for peak, kept, allocated in zip(history["memory/host/peak"],
                                      history["memory/host/retained"],
-                                     history["memory/host/allocated"]):  # MiB
+                                     history["memory/host/allocated"], strict=True):  # MiB
         assert 50 < peak < 1e6 and 0 <= kept < peak and allocated > 10
     assert seen == [False, True, False, True] * 2  # steps 2, 4, 6, 8 of 4 batches an epoch
     assert [s.name for s in callback.scopes] == [

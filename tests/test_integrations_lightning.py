@@ -106,7 +106,8 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
         trainer(callback).fit(Fails(), DataLoader(DATA, batch_size=16))
     [failure] = callback.failures
     assert failure["batch_size"] == 16 and failure["step"] == 2
-    assert "DefaultCPUAllocator" in failure["error"] and failure["memory"]["devices"]["host"]["reserved"]
+    assert "DefaultCPUAllocator" in failure["error"]
+    assert failure["memory"]["devices"]["host"]["reserved"]
     assert "out of memory during fit at step 2, batch_size=16" in caplog.text
     trainer(callback, max_epochs=1).fit(Tiny(), DataLoader(DATA, batch_size=16))
     assert [s.name for s in callback.scopes] == ["lightning epoch 1"]  # warm-up again
@@ -135,7 +136,8 @@ def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(
     assert settled == []  # no gc.collect while the traceback holds the failed frames
     [failure] = callback.failures
     assert failure["error"] == error_text(caught.value)
-    assert failure["error"].startswith("out of memory (") and "DefaultCPUAllocator" in failure["error"]
+    assert failure["error"].startswith("out of memory (")
+    assert "DefaultCPUAllocator" in failure["error"]
 
 
 @pytest.mark.parametrize("bad, message", [

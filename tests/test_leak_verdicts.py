@@ -95,7 +95,7 @@ def test_first_call_state_is_not_judged_but_a_later_leak_is():
         step(False)
     with pytest.raises(memguard.MemoryLeakError):
         step(True)
-    with pytest.raises(ValueError, match="warmup must be an int >= 0.*got -1"):
+    with pytest.raises(ValueError, match=r"warmup must be an int >= 0.*got -1"):
         memguard.frees_memory(warmup=-1)
 
 

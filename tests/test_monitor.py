@@ -49,7 +49,7 @@ def test_marks_from_the_user_from_scopes_and_from_oom_retry():
 
 def test_stops_within_an_interval_even_when_the_body_raises():
     mon = memguard.MemoryMonitor(interval=0.2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="body"):
         with mon:
             raise ValueError("body")
     started = time.perf_counter()

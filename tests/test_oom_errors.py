@@ -22,25 +22,25 @@ TF_CPU = ("{{function_node __wrapped__Fill_device_/job:localhost/replica:0/task:
 
 RUNTIME_OOMS = [
     ("torch CPU allocator", TORCH_CPU),
-    ("CUDA caching allocator", "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
-                               "total capacity of 79.15 GiB of which 3.12 MiB is free."),
-    ("ROCm caching allocator", "HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-                               "capacity of 63.98 GiB of which 1.00 GiB is free."),
-    ("XPU caching allocator", "XPU out of memory. Tried to allocate 1.00 GiB (GPU 0; 15.11 GiB "
-                              "total capacity)"),
-    ("CUDA runtime", "CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
-                     "reported at some other API call"),
-    ("MPS allocator", "MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: "
-                      "1.00 GB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private "
-                      "pool."),
+    ("CUDA caching allocator", ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+                                "total capacity of 79.15 GiB of which 3.12 MiB is free.")),
+    ("ROCm caching allocator", ("HIP out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                                "total capacity of 63.98 GiB of which 1.00 GiB is free.")),
+    ("XPU caching allocator", ("XPU out of memory. Tried to allocate 1.00 GiB (GPU 0; 15.11 GiB "
+                               "total capacity)")),
+    ("CUDA runtime", ("CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+                      "reported at some other API call")),
+    ("MPS allocator", ("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: "
+                       "1.00 GB, max allowed: 18.13 GB). Tried to allocate 256.00 MB on private "
+                       "pool.")),
     ("cuBLAS", "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     ("cuDNN", "cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
-    ("cuDNN on a full GPU", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if "
-                            "you passed in a non-contiguous input."),
-    ("XLA allocator", "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 "
-                      "bytes."),
-    ("torch memory mapping", "unable to mmap 67108864 bytes from file </torch_1234_5678_0>: "
-                             "Cannot allocate memory (12)"),
+    ("cuDNN on a full GPU", ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if "
+                             "you passed in a non-contiguous input.")),
+    ("XLA allocator", ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 "
+                       "bytes.")),
+    ("torch memory mapping", ("unable to mmap 67108864 bytes from file </torch_1234_5678_0>: "
+                              "Cannot allocate memory (12)")),
 ]
 
 
@@ -72,20 +72,26 @@ def test_everything_else_is_not(exc):
 
 
 def test_out_of_memory_wrapped_in_another_exception_is_found():
-    try:
+    def wrapped():
         try:
             raise RuntimeError(TORCH_CPU)
         except RuntimeError as inner:
             raise ValueError("data loader worker failed") from inner
-    except ValueError as outer:
-        assert memguard.is_oom_error(outer)
-    try:
+
+    with pytest.raises(ValueError, match="data loader worker failed") as caught:
+        wrapped()
+    assert memguard.is_oom_error(caught.value)
+
+    def raised_while_handling():
         try:
             raise MemoryError
         except MemoryError:
-            raise KeyError("while handling")  # implicit __context__: a new error
-    except KeyError as outer:
-        assert not memguard.is_oom_error(outer)
+            raise KeyError("while handling")  # noqa: B904 - the implicit __context__ is the case
+
+    with pytest.raises(KeyError, match="while handling") as caught:
+        raised_while_handling()
+    assert isinstance(caught.value.__context__, MemoryError)  # implicit __context__: a new error
+    assert not memguard.is_oom_error(caught.value)
 
 
 def test_chains_with_cycles_terminate():

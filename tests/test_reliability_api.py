@@ -138,4 +138,5 @@ def test_log_messages_do_not_repeat_the_logger_name(caplog):
         empty_caches([_Broken()])
     assert [r.name for r in caplog.records] == ["memguard", "memguard"]
     assert [r.getMessage() for r in caplog.records] == [
-        "cannot read dev:0: the driver went away", "emptying the broken cache failed: no cache here"]
+        "cannot read dev:0: the driver went away",
+        "emptying the broken cache failed: no cache here"]

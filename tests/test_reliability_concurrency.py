@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import gc
 import multiprocessing
 import pickle
 import threading
 
 import pytest
 import torch
+from test_scope import FullCollections
 
 import memguard
-from memguard.backends import host
 
 import decorated_functions as df
 from conftest import run_python
-from test_scope import FullCollections
 
 MiB = 1 << 20
 
@@ -64,7 +62,7 @@ def test_interleaved_generators_each_clean_up():
 
     with FullCollections() as seen:
         first, second = numbers(3), numbers(3)
-        pairs = list(zip(first, second))
+        pairs = list(zip(first, second, strict=False))  # leaves `second` open: finished below
         assert pairs == [(0, 0), (1, 1), (2, 2)]
         assert next(first, None) is None and next(second, None) is None
     assert seen.count == 2
@@ -107,7 +105,8 @@ def test_a_leaking_thread_is_blamed_and_clean_threads_are_not():
     with its own level unchanged). Only the leaking thread's calls may raise."""
     kept: list = []
     errors: dict[str, list[str]] = {"leaky": [], "clean": []}
-    allocated, clean_entered, leaky_left = threading.Event(), threading.Barrier(4), threading.Event()
+    allocated, clean_entered = threading.Event(), threading.Barrier(4)
+    leaky_left = threading.Event()
 
     @memguard.frees_memory(max_leak="32MiB", warmup=0)  # every call judged, the first too
     def step(role):
@@ -149,7 +148,7 @@ def test_a_clean_call_spanning_a_freed_and_reallocated_leak_is_not_blamed():
     level did not change, the second leaking call's did."""
     kept: list = []
     errors: list[str] = []
-    clean_in, leaky_in, done = threading.Event(), threading.Event(), threading.Event()
+    clean_in, done = threading.Event(), threading.Event()
 
     @memguard.frees_memory(max_leak="32MiB")
     def step(role):

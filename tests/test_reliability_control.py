@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import memguard
-from memguard.errors import oom_kind
 
 from budget import ENV, script
 
@@ -40,7 +39,7 @@ def test_control_flow_raised_while_handling_an_oom_is_never_retried(control):
         try:
             real_oom()
         except RuntimeError:
-            raise control()  # Ctrl-C arriving in the handler: __context__ is the OOM
+            raise control()  # noqa: B904 - Ctrl-C arriving in the handler: __context__ is the OOM
 
     with pytest.raises(control) as info:
         step()
@@ -97,7 +96,7 @@ def test_an_error_raised_while_handling_an_oom_is_a_new_error():
             real_oom()
         except RuntimeError as oom:
             logging.getLogger("test").info("cleaning up after %s", oom)
-            raise ValueError("bug in the handler")  # no `from`: only __context__
+            raise ValueError("bug in the handler")  # noqa: B904 - no `from`: only __context__
 
     with pytest.raises(ValueError, match="bug in the handler") as info:
         step()

@@ -3,9 +3,9 @@ matplotlib backend, NVML once per process, looking never starting a runtime, a q
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -14,9 +14,7 @@ import pytest
 import torch
 
 import memguard
-from memguard.backends import DeviceMemory, nvml
-from memguard.backends import tensorflow as tf_backend
-from memguard.backends import torch as torch_backend
+from memguard.backends import DeviceMemory, nvml, torch as torch_backend
 
 MiB = 1 << 20
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -37,7 +35,7 @@ def test_monitor_stays_within_max_samples_covers_the_run_and_keeps_a_spike():
     assert times == sorted(times) and len(mon.samples) >= 32
     assert times[-1] == start + week  # the latest reading is always there
     assert times[0] - start <= week / 32  # the start is covered too, at the coarser step
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) <= week / 32  # a step of at most twice the finest that fits
     assert max(gaps[:-1]) - min(gaps[:-1]) < 1e-3  # one resolution across the whole run
     series = mon.series()["host"]

@@ -149,14 +149,15 @@ def test_body_exception_propagates_unchanged_and_cleanup_still_runs():
     gc.disable()
     error = ValueError("boom")
     try:
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(ValueError, match="boom") as info:  # noqa: PT012 - must pass the scope
             with memguard.memory_scope(max_leak="1KiB") as scope:
                 cyclic(200)
                 raise error
     finally:
         gc.enable()
     assert info.value is error
-    assert info.traceback[-1].name == "test_body_exception_propagates_unchanged_and_cleanup_still_runs"
+    assert info.traceback[-1].name == (
+        "test_body_exception_propagates_unchanged_and_cleanup_still_runs")
     assert scope.after is not None and scope.freed > 180 * MiB
 
 
@@ -186,7 +187,7 @@ def test_max_leak_is_quiet_when_nothing_leaks():
 
 def test_leak_is_logged_not_raised_when_the_body_raised(caplog):
     with caplog.at_level(logging.WARNING, logger="memguard"):
-        with pytest.raises(RuntimeError, match="original"):
+        with pytest.raises(RuntimeError, match="original"):  # noqa: PT012 - must pass the scope
             with memguard.memory_scope(max_leak="1MiB"):
                 kept = torch.ones(50 * MiB // 4)  # noqa: F841
                 raise RuntimeError("original")

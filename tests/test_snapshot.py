@@ -12,7 +12,7 @@ MiB = 1 << 20
 
 def test_snapshot_reads_every_active_device():
     snap = memguard.snapshot()
-    assert list(snap.devices)[0] == "host"
+    assert next(iter(snap.devices)) == "host"
     host = snap["host"]
     assert host.device == "host" and host.reserved > 0 and host.total > host.free > 0
     assert snap.time > 0 and not snap.delta
@@ -87,7 +87,7 @@ def test_str_is_an_aligned_table_in_binary_units():
 
 
 def test_missing_device_names_what_is_there():
-    with pytest.raises(KeyError, match="'cuda:7'.*host"):
+    with pytest.raises(KeyError, match=r"'cuda:7'.*host"):
         memguard.snapshot()["cuda:7"]
 
 
