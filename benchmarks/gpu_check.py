@@ -153,7 +153,8 @@ def overhead() -> dict:
     medians = {name: statistics.median(v) * 1000 for name, v in times.items()}
     ratio = medians["auto"] / medians["bare"]
     return {"ok": ratio <= 1.05, "ms": {k: round(v, 3) for k, v in medians.items()},
-            "auto_ratio": round(ratio, 3), "naive_ratio": round(medians["naive"] / medians["bare"], 2)}
+            "auto_ratio": round(ratio, 3),
+            "naive_ratio": round(medians["naive"] / medians["bare"], 2)}
 
 
 def recovery() -> dict:

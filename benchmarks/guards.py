@@ -105,7 +105,7 @@ def leaky_step():
 
 variant = sys.argv[1] if len(sys.argv) > 1 else "{variant}"
 fn = {"bare": leaky_step, "auto": memguard.frees_memory(leaky_step),
-      "naive": memguard.frees_memory(policy="always")(leaky_step)}[variant]
+      "naive": memguard.frees_memory(cleanup="always")(leaky_step)}[variant]
 fn()
 start = host.rss()
 growth = []
@@ -121,7 +121,7 @@ def reclaim(quick: bool) -> list[Result]:
     Python's collector left on as in a real program; resident memory growth after the steps.
 
     Fair to bare: the collector does run on its own schedule; the figure is what that schedule
-    lets pile up. The naive variant is ``@frees_memory(policy="always")``.
+    lets pile up. The naive variant is ``@frees_memory(cleanup="always")``.
     """
     steps = 30 if quick else 100
     grown = {v: run_python(LEAK.replace("{variant}", v).replace("{steps}", str(steps)))

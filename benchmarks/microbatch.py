@@ -149,7 +149,7 @@ def microbatch(quick: bool) -> list[Result]:
     lost_peer, _ = lost(peer, clean)
 
     def drift(run: dict) -> float:
-        return max(abs(a - b) for a, b in zip(run["weights"], reference["weights"]))
+        return max(abs(a - b) for a, b in zip(run["weights"], reference["weights"], strict=True))
 
     hungry = mine["steps"][steps // 2] if len(mine["steps"]) > steps // 2 else []
     # The scenario holds when the steps before the hungry one ran whole and the hungry one

@@ -15,8 +15,8 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import batching, census, guards, integrations, microbatch, oom  # noqa: E402
-from benchmarks.common import ROOT, Result  # noqa: E402
+from benchmarks import batching, census, guards, integrations, microbatch, oom
+from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
        + census.BENCHMARKS + integrations.BENCHMARKS)
@@ -43,7 +43,8 @@ def table(results: list[Result]) -> str:
                      "-" if r.ratio is None else f"{r.ratio:.3f}", r.unit, r.target,
                      {True: "yes", False: "NO", None: "-"}[r.met]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

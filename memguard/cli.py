@@ -181,7 +181,7 @@ def info(as_json: bool, tensorflow: bool = True) -> int:
             print(f"  {name}={value}")
     else:
         print("allocator settings: none in the environment (the frameworks' defaults)")
-    if data["nvml"]["driver"]:
+    if data["nvml"]["driver"]:  # pragma: gpu
         print(f"NVIDIA driver {data['nvml']['driver']}")
         for gpu in data["nvml"]["gpus"]:
             for pid, used in gpu["processes"].items():
@@ -216,7 +216,7 @@ def watch(interval: float, count: Optional[int], pid: Optional[int]) -> int:
                 return 0
         parts.append(f"host used {format_bytes(vm.total - vm.available)} free "
                      f"{format_bytes(vm.available)}")
-        for gpu in nvml.gpus(pid):
+        for gpu in nvml.gpus(pid):  # pragma: gpu
             mine = sum(gpu["processes"].values())
             parts.append(f"GPU {gpu['index']} used {format_bytes(gpu['used'])} free "
                          f"{format_bytes(gpu['free'])}"

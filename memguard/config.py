@@ -89,7 +89,7 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
     text = ",".join(f"{key}:{value}" for key, value in merged.items())
     for name in ALLOC_VARIABLES:
         os.environ[name] = text
-    if torch_backend.cuda_initialised():
+    if torch_backend.cuda_initialised():  # pragma: gpu
         message = (f"configure_allocator: CUDA is already initialised in this process, so "
                    f"{text!r} cannot take effect here; call it before the first CUDA "
                    f"operation, or set PYTORCH_ALLOC_CONF before starting Python")
@@ -139,7 +139,7 @@ class MemoryLimit:
             raise RuntimeError("this memory_limit is already active")
         if self.device == "host":
             self._restore = ("host", limit_address_space(self.limit))
-        else:
+        else:  # pragma: gpu
             index = int(self.device.partition(":")[2])
             total = torch_backend.cuda_total(index)
             if self.limit > total:
@@ -157,7 +157,7 @@ class MemoryLimit:
             return
         if restore[0] == "host":
             restore_address_space(restore[1])
-        else:
+        else:  # pragma: gpu
             torch_backend.set_memory_fraction(restore[1], restore[2])
 
 
@@ -189,7 +189,7 @@ def _checked_device(device: Any) -> str:
         seen = "no CUDA GPU" if not count else f"{count} (cuda:0 to cuda:{count - 1})"
         raise ValueError(f"memory_limit: device {device!r} needs a CUDA GPU, and torch sees "
                          f"{seen}; use device='host' to rehearse on host memory instead")
-    return f"cuda:{int(index)}"
+    return f"cuda:{int(index)}"  # pragma: gpu
 
 
 def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:

@@ -57,7 +57,7 @@ class _Torch:
         import torch
 
         self.torch = torch
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # pragma: gpu
             self.device = "cuda"
         elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             self.device = "mps"
@@ -223,7 +223,7 @@ def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]
     if limit_device == "host":
         start = snapshot(["host"])["host"].reserved or 0
         return {"host": [(start + budget, f"budget: start + {format_bytes(budget)}")]}
-    devices = [d for d in snapshot().devices if d.startswith("cuda")]
+    devices = [d for d in snapshot().devices if d.startswith("cuda")]  # pragma: gpu
     return {devices[0]: [(budget, f"budget {format_bytes(budget)}")]} if devices else {}
 
 

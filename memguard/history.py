@@ -37,14 +37,14 @@ def start_recording(max_entries: int) -> bool:
                           "record_history and oom_retry(snapshot_dir=...) do nothing",
                           RuntimeWarning, stacklevel=3)
         return False
-    with _lock:
+    with _lock:  # pragma: gpu
         if _depth == 0:
             torch_backend.start_history(max_entries)
         _depth += 1
-    return True
+    return True  # pragma: gpu
 
 
-def stop_recording() -> None:
+def stop_recording() -> None:  # pragma: gpu
     """End one :func:`start_recording`; the outermost turns recording off."""
     global _depth
     with _lock:
@@ -53,7 +53,7 @@ def stop_recording() -> None:
             torch_backend.stop_history()
 
 
-def dump(path: str) -> Optional[str]:
+def dump(path: str) -> Optional[str]:  # pragma: gpu
     """Write the recorded snapshot to ``path`` (folders created); the path, or None if it
     could not be written (logged)."""
     try:
@@ -101,11 +101,11 @@ class RecordHistory:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._recording:
             return
-        self._recording = False
-        try:
+        self._recording = False  # pragma: gpu
+        try:  # pragma: gpu
             if not self.on_oom_only or (exc is not None and is_oom_error(exc)):
                 self.dumped = dump(self.path)
-        finally:
+        finally:  # pragma: gpu
             stop_recording()
 
     def __call__(self, func: F) -> F:

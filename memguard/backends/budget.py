@@ -87,7 +87,7 @@ def budgets(device: str = "host") -> list[Budget]:
     elif device.startswith("cuda"):
         index = int(device.partition(":")[2] or 0)
         cuda = torch_backend.cuda_budget(index)
-        if cuda is not None:
+        if cuda is not None:  # pragma: gpu
             found.append(Budget(device, cuda[0], cuda[1], cuda[2]))
     found.sort(key=lambda b: b.available)
     return found
@@ -114,7 +114,7 @@ def watched_devices() -> list[str]:
     """The devices whose budgets matter now: the host, and each CUDA device once this process
     has initialised CUDA."""
     devices = ["host"]
-    if torch_backend.cuda_initialised():
+    if torch_backend.cuda_initialised():  # pragma: gpu
         devices += [f"cuda:{i}" for i in range(torch_backend.cuda_device_count())]
     return devices
 
@@ -127,7 +127,7 @@ def device_identity() -> str:
     True
     """
     cuda = torch_backend.available_cuda_device() if torch_backend.cuda_initialised() else None
-    if cuda is not None:
+    if cuda is not None:  # pragma: gpu
         name = torch_backend.cuda_identity(int(cuda.partition(":")[2]))
         if name is not None:
             return f"cuda {name}"

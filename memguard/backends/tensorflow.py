@@ -55,27 +55,27 @@ class TensorFlowBackend(Backend):
     def owns(self, device: str) -> bool:
         return device.upper().startswith("GPU")
 
-    def read_fast(self, device: str) -> Reading:
+    def read_fast(self, device: str) -> Reading:  # pragma: gpu
         info = self._info(device)
         return UNKNOWN if info is None else Reading(int(info["current"]), None)
 
-    def _info(self, device: str) -> Optional[dict[str, int]]:
+    def _info(self, device: str) -> Optional[dict[str, int]]:  # pragma: gpu
         try:
             return _tf().config.experimental.get_memory_info(device)
         except (ValueError, RuntimeError):
             return None
 
-    def read_peak(self, device: str) -> Optional[int]:
+    def read_peak(self, device: str) -> Optional[int]:  # pragma: gpu
         info = self._info(device)
         return None if info is None else int(info["peak"])
 
-    def read(self, device: str) -> DeviceMemory:
+    def read(self, device: str) -> DeviceMemory:  # pragma: gpu
         info = self._info(device)
         if info is None:
             return DeviceMemory(device)
         return DeviceMemory(device, allocated=int(info["current"]), peak=int(info["peak"]))
 
-    def reset_peak(self, device: str) -> bool:
+    def reset_peak(self, device: str) -> bool:  # pragma: gpu
         try:
             _tf().config.experimental.reset_memory_stats(device)
             return True
@@ -83,7 +83,7 @@ class TensorFlowBackend(Backend):
             return False
 
     def empty_cache(self) -> None:
-        if self.devices():
+        if self.devices():  # pragma: gpu
             log.debug("free_memory: %s", NO_RELEASE)
 
 
@@ -189,7 +189,7 @@ def set_memory_growth(enable: bool) -> int:
     the runtime has started."""
     tf = _tf()
     gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
+    for gpu in gpus:  # pragma: gpu
         try:
             tf.config.experimental.set_memory_growth(gpu, enable)
         except RuntimeError as exc:

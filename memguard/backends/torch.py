@@ -36,20 +36,20 @@ class TorchBackend(Backend):
     def _initialised_types(self) -> list[str]:
         torch = _torch()
         kinds = []
-        if torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # pragma: gpu
             kinds.append("cuda")
         xpu = getattr(torch, "xpu", None)
-        if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
+        if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():  # pragma: gpu
             kinds.append("xpu")
         mps = getattr(getattr(torch, "backends", None), "mps", None)
-        if mps is not None and mps.is_available():
+        if mps is not None and mps.is_available():  # pragma: gpu
             kinds.append("mps")
         return kinds
 
     def devices(self) -> list[str]:
         torch = _torch()
         names = []
-        for kind in self._initialised_types():
+        for kind in self._initialised_types():  # pragma: gpu
             if kind == "mps":
                 names.append("mps")
             else:
@@ -66,10 +66,10 @@ class TorchBackend(Backend):
             return device
         module = getattr(_torch(), kind, None)
         if module is not None and getattr(module, "is_initialized", lambda: False)():
-            return f"{kind}:{module.current_device()}"
+            return f"{kind}:{module.current_device()}"  # pragma: gpu
         return f"{kind}:0"
 
-    def _accelerator(self, kind: str) -> Any:
+    def _accelerator(self, kind: str) -> Any:  # pragma: gpu
         """``torch.accelerator`` when it has the memory API and serves ``kind``."""
         acc = getattr(_torch(), "accelerator", None)
         if acc is None or not hasattr(acc, "memory_allocated"):
@@ -84,7 +84,7 @@ class TorchBackend(Backend):
         return kind in self._initialised_types()
 
     # -- reading -----------------------------------------------------------------------------
-    def read_fast(self, device: str) -> Reading:
+    def read_fast(self, device: str) -> Reading:  # pragma: gpu
         kind, index = _split(device)
         if not self._ready(kind):
             return UNKNOWN
@@ -95,7 +95,7 @@ class TorchBackend(Backend):
         api = self._accelerator(kind) or getattr(torch, kind)
         return Reading(int(api.memory_allocated(index)), int(api.memory_reserved(index)))
 
-    def read_peak(self, device: str) -> Optional[int]:
+    def read_peak(self, device: str) -> Optional[int]:  # pragma: gpu
         kind, index = _split(device)
         if kind == "mps" or not self._ready(kind):
             return None
@@ -103,8 +103,8 @@ class TorchBackend(Backend):
         return int(api.max_memory_allocated(index))
 
     def _free_total(self, kind: str, index: int) -> tuple[Optional[int], Optional[int]]:
-        torch = _torch()
-        try:
+        torch = _torch()  # pragma: gpu
+        try:  # pragma: gpu
             acc = self._accelerator(kind)
             if acc is not None and hasattr(acc, "get_memory_info"):
                 free, total = acc.get_memory_info(index)
@@ -114,10 +114,10 @@ class TorchBackend(Backend):
             else:
                 free, total = getattr(torch, kind).mem_get_info(index)
             return int(free), int(total)
-        except (RuntimeError, AttributeError):
+        except (RuntimeError, AttributeError):  # pragma: gpu
             return None, None
 
-    def read(self, device: str) -> DeviceMemory:
+    def read(self, device: str) -> DeviceMemory:  # pragma: gpu
         kind, index = _split(device)
         if not self._ready(kind):
             return DeviceMemory(device)
@@ -126,7 +126,7 @@ class TorchBackend(Backend):
         return DeviceMemory(device, allocated=allocated, reserved=reserved,
                             peak=self.read_peak(device), free=free, total=total)
 
-    def reset_peak(self, device: str) -> bool:
+    def reset_peak(self, device: str) -> bool:  # pragma: gpu
         kind, index = _split(device)
         if kind == "mps" or not self._ready(kind):
             return False
@@ -136,7 +136,7 @@ class TorchBackend(Backend):
 
     def empty_cache(self) -> None:
         torch = _torch()
-        for kind in self._initialised_types():
+        for kind in self._initialised_types():  # pragma: gpu
             getattr(torch, kind).empty_cache()
             if kind == "cuda":
                 torch.cuda.ipc_collect()
@@ -294,17 +294,17 @@ def history_supported() -> bool:
     return torch is not None and torch.cuda.is_available()
 
 
-def start_history(max_entries: int) -> None:
+def start_history(max_entries: int) -> None:  # pragma: gpu
     """Start recording CUDA allocation history (stack traces included)."""
     _torch().cuda.memory._record_memory_history(max_entries=max_entries)  # noqa: SLF001 - torch's documented memory-history API
 
 
-def dump_history(path: str) -> None:
+def dump_history(path: str) -> None:  # pragma: gpu
     """Write the recorded history as a snapshot pickle (for PyTorch's memory_viz page)."""
     _torch().cuda.memory._dump_snapshot(path)  # noqa: SLF001 - torch's documented memory-history API
 
 
-def stop_history() -> None:
+def stop_history() -> None:  # pragma: gpu
     """Stop recording CUDA allocation history."""
     _torch().cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001 - torch's documented memory-history API
 
@@ -316,7 +316,7 @@ def cuda_initialised() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def memory_fraction(index: int) -> float:
+def memory_fraction(index: int) -> float:  # pragma: gpu
     """The current per-process memory fraction of a CUDA device (1.0 where torch cannot
     tell)."""
     getter = getattr(_torch().cuda, "get_per_process_memory_fraction", None)
@@ -326,12 +326,12 @@ def memory_fraction(index: int) -> float:
         return 1.0
 
 
-def set_memory_fraction(index: int, fraction: float) -> None:
+def set_memory_fraction(index: int, fraction: float) -> None:  # pragma: gpu
     """Cap the caching allocator of CUDA device ``index`` at ``fraction`` of its memory."""
     _torch().cuda.set_per_process_memory_fraction(fraction, index)
 
 
-def cuda_total(index: int) -> int:
+def cuda_total(index: int) -> int:  # pragma: gpu
     """Total memory of CUDA device ``index`` (initialises CUDA)."""
     return int(_torch().cuda.get_device_properties(index).total_memory)
 
@@ -347,7 +347,7 @@ def available_cuda_device() -> Optional[str]:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None
-    return TorchBackend().normalise("cuda")
+    return TorchBackend().normalise("cuda")  # pragma: gpu
 
 
 def cuda_device_count() -> int:
@@ -367,13 +367,13 @@ def device_overview() -> list[dict[str, Any]]:
     """Each accelerator torch sees (initialising it): name, total, used and free bytes."""
     torch = _torch()
     out = []
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # pragma: gpu
         for index in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(index)
             out.append({"device": f"cuda:{index}", "name": torch.cuda.get_device_name(index),
                         "total": int(total), "used": int(total - free), "free": int(free)})
     mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
+    if mps is not None and mps.is_available():  # pragma: gpu
         total = getattr(torch.mps, "recommended_max_memory", lambda: None)()
         used = int(torch.mps.driver_allocated_memory())
         out.append({"device": "mps", "name": "Apple MPS", "total": total, "used": used,
@@ -387,7 +387,7 @@ def version() -> str:
 
 
 # -- budgets --------------------------------------------------------------------------------------
-def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:
+def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:  # pragma: gpu
     """What CUDA device ``index`` can still give this process, as ``(kind, limit, used)`` in
     bytes, or ``None`` when this process has not initialised CUDA (looking never does) or
     does not use that GPU (neither the current device nor holding memory there: asking the
@@ -419,7 +419,7 @@ def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:
     return "CUDA device", total, total - available
 
 
-def cuda_identity(index: int) -> Optional[str]:
+def cuda_identity(index: int) -> Optional[str]:  # pragma: gpu
     """``"NVIDIA H100 80GB HBM3 (79.1 GiB)"``-like: the name and total memory of CUDA device
     ``index``, or ``None`` when CUDA is not initialised."""
     if not cuda_initialised():

@@ -165,7 +165,7 @@ def warm_up() -> None:
     if torch is None:
         return
     devices = ["cpu"]
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # pragma: gpu
         devices.append(f"cuda:{torch.cuda.current_device()}")
     with torch.random.fork_rng(devices=[d for d in devices if d != "cpu"]):
         for device in devices:

@@ -37,8 +37,8 @@ def _side_group() -> Any:
 
     if dist.get_backend() == "gloo":
         return None
-    default = dist.group.WORLD
-    with _lock:
+    default = dist.group.WORLD  # pragma: gpu
+    with _lock:  # pragma: gpu
         group = _groups.get(default)
         if group is None:
             group = _groups[default] = dist.new_group(backend="gloo")
