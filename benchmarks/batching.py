@@ -111,7 +111,7 @@ def whole(batch_size):
 
 whole()
 print(json.dumps({{"items": len(lengths), "mapped": mapped, "rerun": len(processed),
-                  "rerun_sizes": [a.batch_size for a in whole.history]}}))
+                  "rerun_sizes": [a.size for a in whole.history]}}))
 """
 
 

@@ -72,7 +72,7 @@ def real_oom() -> dict:
     reserved = torch.cuda.memory_reserved()
     counted = torch.cuda.memory_stats().get("num_ooms", 0) - ooms
     return {"ok": found <= 8 and counted >= 1 and reserved < total // 8, "found": found,
-            "sizes": [a.batch_size for a in step.history], "num_ooms": counted,
+            "sizes": [a.size for a in step.history], "num_ooms": counted,
             "reserved_after_cleanup_mib": reserved // MiB}
 
 
@@ -92,7 +92,7 @@ def microbatch() -> dict:
     sizes = []
     for _ in range(3):
         loss_of(batch)
-        sizes.append([a.batch_size for a in loss_of.history])
+        sizes.append([a.size for a in loss_of.history])
         model.zero_grad()
     return {"ok": sizes[0][0] == 64 and len(sizes[0]) > 1
             and all(len(s) == 1 for s in sizes[1:]), "sizes": sizes,

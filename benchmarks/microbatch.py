@@ -80,7 +80,7 @@ elif MODE == "memguard":
         loss = step(batch)
         opt.step()
         opt.zero_grad()
-        steps.append([[a.batch_size, a.accumulation_steps, a.ok] for a in step.history])
+        steps.append([[a.size, a.steps, a.ok] for a in step.history])
     seconds = time.perf_counter() - start
     found = step.microbatch_size
 else:
@@ -97,7 +97,7 @@ else:
     start = time.perf_counter()
     found = train()
     seconds = time.perf_counter() - start
-    steps = [[a.batch_size, a.accumulation_steps, a.ok] for a in train.history]
+    steps = [[a.size, a.steps, a.ok] for a in train.history]
 resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 print(json.dumps({{"seconds": seconds, "forwards": forwards, "steps": steps,

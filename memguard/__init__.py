@@ -26,26 +26,29 @@ from .snapshot import MemorySnapshot, snapshot
 from .tensors import TensorInfo, live_tensors, memory_report
 
 if TYPE_CHECKING:
+    from .loop import Attempt, Attempts, attempts
     from .backends.budget import Budget
-    from .batching import BatchResults, find_batch_size, map_batches
+    from .batching import BatchResults, BatchSize, find_batch_size, map_batches
     from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_growth
     from .history import RecordHistory, record_history
-    from .microbatch import auto_microbatch
+    from .microbatch import MicrobatchedFunction, auto_microbatch
     from .monitor import MemoryMonitor
-    from .retry import Attempt, oom_retry
+    from .retry import RetryingFunction, oom_retry
 
 __version__ = "0.1.0"
 
 # name -> the module that defines it, imported on first access
 _LAZY = {
     "Budget": ".backends.budget",
-    "BatchResults": ".batching", "find_batch_size": ".batching", "map_batches": ".batching",
+    "Attempt": ".loop", "Attempts": ".loop", "attempts": ".loop",
+    "BatchResults": ".batching", "BatchSize": ".batching", "find_batch_size": ".batching",
+    "map_batches": ".batching",
     "MemoryLimit": ".config", "configure_allocator": ".config", "memory_limit": ".config",
     "tf_memory_growth": ".config",
     "RecordHistory": ".history", "record_history": ".history",
-    "auto_microbatch": ".microbatch",
+    "MicrobatchedFunction": ".microbatch", "auto_microbatch": ".microbatch",
     "MemoryMonitor": ".monitor",
-    "Attempt": ".retry", "oom_retry": ".retry",
+    "RetryingFunction": ".retry", "oom_retry": ".retry",
 }
 
 
@@ -63,11 +66,12 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Attempt", "BatchResults", "Budget", "DeviceMemory", "InferenceMode", "MemguardError",
-    "MemoryLeakError", "MemoryLimit", "MemoryMonitor", "MemoryScope", "MemorySnapshot",
-    "OutOfMemoryError", "RecordHistory", "TensorInfo", "activate", "auto_microbatch",
+    "Attempt", "Attempts", "BatchResults", "BatchSize", "Budget", "DeviceMemory", "InferenceMode",
+    "MemguardError", "MemoryLeakError", "MemoryLimit", "MemoryMonitor", "MemoryScope",
+    "MemorySnapshot", "MicrobatchedFunction", "OutOfMemoryError", "RecordHistory",
+    "RetryingFunction", "TensorInfo", "activate", "attempts", "auto_microbatch",
     "configure_allocator", "find_batch_size", "format_bytes", "free_memory", "frees_memory",
     "inference_mode", "is_oom_error", "list_devices", "live_tensors", "map_batches",
-    "memory_limit", "memory_report", "memory_scope", "oom_retry", "parse_size",
-    "record_history", "snapshot", "tf_memory_growth",
+    "memory_limit", "memory_report", "memory_scope", "oom_retry", "parse_size", "record_history",
+    "snapshot", "tf_memory_growth",
 ]

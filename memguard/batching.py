@@ -1,197 +1,299 @@
-"""``find_batch_size`` and ``map_batches``: the largest batch that fits, and inference over a
-large input that shrinks its batches on out-of-memory without redoing finished work."""
+"""``find_batch_size`` and ``map_batches``, drivers over :class:`memguard.loop.Loop`: the
+largest batch that fits (one search per mode), and inference over a large input that shrinks
+its batches on out-of-memory without redoing finished work."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-import time
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from ._checks import fraction, positive_int
 from ._slices import Plan, plan_batch
-from .backends import resolve_devices
+from .loop import Attempt, Factor, Loop, Policy, exhausted
+from .backends import resolve_devices, torch_state
 from .backends.budget import available as budget_available, watched_devices
-from .cleanup import drop_frames, free_memory
-from .distributed import Agreement, Sync
+from .cleanup import free_memory
+from .distributed import Sync
 from .errors import OutOfMemoryError, oom_kind
-from .retry import Attempt, error_text, failure
 from .scope import peak_book
-from .sizes import (
-    Factor,
-    Gauge,
-    MemoryFit,
-    SizeFile,
-    check_path,
-    check_policy,
-    check_start,
-    next_size,
-    size_key,
-)
+from .sizes import MemoryFit, SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")
+Mode = Literal["binsearch", "power", "predict"]
+
+# sizes found with cache=True, for the life of the process
+_FOUND: dict[str, int] = {}
 
 
-def _fits(step: Callable[[int], Any], size: int, steps: int) -> Optional[str]:
-    """Run ``step(size)`` ``steps`` times: ``None`` if it fitted, else the out-of-memory's
-    text, with the failed trial's memory already freed. Other errors propagate."""
-    try:
-        for _ in range(steps):
-            step(size)
-    except BaseException as exc:
-        if oom_kind(exc) is None:
-            raise
-        text = error_text(exc)
-        drop_frames(exc)
-    else:
-        return None
-    free_memory()  # outside except: the exception is no longer referenced
-    return text
+class BatchSize(int):
+    """The size :func:`find_batch_size` found: an ``int``, with ``history``, the
+    :class:`Attempt` record of every trial.
 
-
-def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
-                    max_batch_size: Optional[int] = None,
-                    mode: Literal["binsearch", "power", "predict"] = "binsearch",
-                    steps: int = 1, margin: float = 0.0, max_trials: int = 25,
-                    sync: Sync = "auto",
-                    cache: Union[str, "os.PathLike[str]", None] = None) -> int:
-    """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
-
-    ``"power"`` doubles from ``start`` until the first out-of-memory (or ``max_batch_size``);
-    ``"binsearch"`` then bisects between the last size that fitted and the first that failed
-    until they are adjacent. ``"predict"`` measures instead of guessing: each trial's peak
-    memory on every device with a budget (the backends' peak counters: CUDA's
-    ``max_memory_allocated`` after a reset, the host's high-water mark), fitted as memory =
-    fixed + per-sample x size; while the measured memory is under a tenth of what the
-    budget that binds can give, the size grows (at most 16-fold, and so that even all of
-    the measured memory per sample would fill at most a quarter of it); then it jumps to the
-    largest size the fit says the budget holds, less 5%, verifies it with a trial, refits
-    with what that trial measured and stops once the next prediction gains under 3%. After
-    an out-of-memory it tries 95% of the size that failed, then bisects. It returns a size
-    that was seen to fit, typically in 4 to 6 trials from ``start=1`` where bisection takes
-    about 18.
-
-    Each trial calls ``step`` ``steps`` times (memory often peaks in the second step, once
-    optimizer state exists) and memory is freed between trials as in :func:`oom_retry`. A
-    size that runs out of memory is tried once more before it counts as too big (an
-    allocator that fails now and then, another process's spike); the search stops at
-    ``max_batch_size`` or after ``max_trials`` sizes (the largest that fitted is returned,
-    with a warning when the limit cut the search short). Returns the size found less the
-    ``margin`` fraction (at least 1). In a distributed job each rank probes, then all adopt
-    the smallest size. When even ``start`` fails twice: :class:`OutOfMemoryError`.
-
-    ``cache``, a file path: the size found is kept there (as ``oom_retry(cache=path)``
-    keeps its sizes: keyed by the step's qualified name, ``start`` and the device) and a
-    later search with the same key, in this process or a restarted one, returns it without
-    a trial. A corrupt or unreadable file is a warning.
-
-    >>> import memguard
-    >>> def step(batch_size):
-    ...     if batch_size > 300:
-    ...         raise MemoryError("too big")
-    >>> memguard.find_batch_size(step, start=16)
-    300
+    >>> size = BatchSize(48, [])
+    >>> size + 2, size.history
+    (50, [])
     """
-    positive_int(start, "start")
-    positive_int(steps, "steps")
-    if max_batch_size is not None and positive_int(max_batch_size, "max_batch_size") < start:
-        raise ValueError(f"max_batch_size={max_batch_size} is smaller than start={start}")
-    if mode not in ("binsearch", "power", "predict"):
-        raise ValueError(f"mode must be 'binsearch', 'power' or 'predict', got {mode!r}")
-    fraction(margin, "margin", include_zero=True)
-    positive_int(max_trials, "max_trials")
-    sizes = None if cache is None else SizeFile(check_path(cache))
-    agreement = Agreement(sync)
-    # one per size (a confirmed failure once); only a failed start reaches the caller, on
-    # the error, so no trial names a next_batch_size
-    trials: list[Attempt] = []
-    probe = _Probe() if mode == "predict" else None
-    fits: dict[str, MemoryFit] = {}
 
-    def finish(good: int) -> int:
-        found = max(1, math.floor(good * (1 - margin)))
-        found = agreement.smallest(found)
-        log.info("find_batch_size found %d after %d trials", found, len(trials))
-        return found
+    history: list[Attempt]
 
-    key = None
-    if sizes is not None:
-        key = size_key("find_batch_size", step, start)
-        stored = sizes.get(key)
-        if stored is not None and stored >= start:
-            stored = stored if max_batch_size is None else min(stored, max_batch_size)
-            log.info("find_batch_size: %d from the size cache %s", stored, sizes.path)
-            return finish(stored)
+    def __new__(cls, value: int, history: list[Attempt]) -> BatchSize:
+        self = super().__new__(cls, value)
+        self.history = history
+        return self
 
-    def trial(size: int) -> bool:
-        started = time.perf_counter()
-        if probe is not None:
-            free_memory()  # every measured trial starts from the same, trimmed, state
-            error, memory = probe.run(step, size, steps)
-            if error is None:
-                for device, used in memory.items():
-                    fits.setdefault(device, MemoryFit()).add(size, used)
-        else:
-            error = _fits(step, size, steps)
-        if error is not None:
-            log.debug("find_batch_size: %d ran out of memory once; trying it again", size)
-            error = _fits(step, size, steps)
-        trials.append(Attempt(size, None, error is None, error, time.perf_counter() - started))
-        log.debug("find_batch_size trial %d: %s", size, error or "fits")
-        return error is None
+    def __reduce__(self) -> Any:
+        return BatchSize, (int(self), self.history)
 
-    def room() -> bool:
-        """Whether the search, not finished, may try another size."""
-        if len(trials) < max_trials:
+
+class _Search(Loop):
+    """A search for the largest size that fits: trials at growing sizes, each out-of-memory
+    tried once more before it counts, the next size chosen after the ranks agree (so every
+    rank tries the same sizes). ``good`` is the largest size seen to fit, ``bad`` the
+    smallest seen to fail twice."""
+
+    retry_level = logging.INFO  # a search meets out-of-memory by design
+
+    def __init__(self, step: Callable[[int], Any], start: int, max_batch_size: Optional[int],
+                 steps: int, policy: Policy, saved: Any) -> None:
+        super().__init__("find_batch_size", start, policy)
+        self.step, self.start, self.cap, self.repeat = step, start, max_batch_size, steps
+        self.saved = saved
+        self.good: Optional[int] = None
+        self.bad: Optional[int] = None
+        self.cut_short = False
+
+    def trial(self) -> None:
+        """The body of one attempt: ``step(size)``, ``steps`` times."""
+        for _ in range(self.repeat):
+            self.step(self.size)
+
+    def _failures(self, size: int) -> int:
+        return sum(1 for a in self.attempts if a.size == size and not a.ok)
+
+    def _room(self) -> bool:
+        limit = self.policy.max_attempts
+        if limit is None or len(self.attempts) < limit:
             return True
-        log.warning("find_batch_size stopped after max_trials=%d trials at %d, the largest "
-                    "size that fitted; raise max_trials or set max_batch_size to search on",
-                    max_trials, good)
+        self.cut_short = True
         return False
 
-    if not trial(start):
-        raise OutOfMemoryError(f"find_batch_size: even start={start} ran out of memory, "
-                               f"twice ({trials[-1].error}); lower start or free memory held "
-                               f"elsewhere", trials)
-    good, bad = start, None
-    if probe is not None:
-        failures = 0
-        while (max_batch_size is None or good < max_batch_size) and room():
-            size = _predicted(fits, probe.available(), good, bad, failures)
-            if max_batch_size is not None:
-                size = min(size, max_batch_size)
-            if size <= good:
-                break
-            if trial(size):
-                good = size
-            else:
-                bad, failures = size, failures + 1
-    else:
-        while bad is None and (max_batch_size is None or good < max_batch_size) and room():
-            size = good * 2 if max_batch_size is None else min(good * 2, max_batch_size)
-            if trial(size):
-                good = size
-            else:
-                bad = size
-        if mode == "binsearch" and bad is not None:
-            while bad - good > 1 and room():
-                middle = (good + bad) // 2
-                if trial(middle):
-                    good = middle
-                else:
-                    bad = middle
-    if sizes is not None and key is not None:
-        sizes.put(key, good)
-    return finish(good)
+    def propose(self, estimate: Optional[int]) -> Optional[int]:
+        if self.size == self.start and self._failures(self.start) >= 2:
+            return None  # even the start does not fit
+        return self.size  # the search decides once the ranks agree
+
+    def out_of_sizes(self) -> OutOfMemoryError:
+        return OutOfMemoryError(f"find_batch_size: even start={self.start} ran out of memory, "
+                                f"twice ({self.attempts[-1].error}); lower start or free "
+                                f"memory held elsewhere", self.attempts)
+
+    def recover(self, retrying: bool) -> int:
+        freed = free_memory()
+        if retrying and self.saved is not None:
+            self.saved.load()
+        return freed
+
+    def after_ok(self) -> Optional[int]:
+        self.good = self.size
+        upcoming = self.grown() if self._room() else None
+        if upcoming is not None and self.cap is not None:
+            upcoming = min(upcoming, self.cap)
+        if upcoming is None or upcoming <= self.size:
+            return None
+        if self.saved is not None:
+            self.saved.load()  # trials that train change the weights
+        return upcoming
+
+    def after_oom(self, agreed: int) -> Optional[int]:
+        if self._failures(self.size) < 2:
+            return self.size if self._room() else None  # once more before it counts
+        self.bad = self.size if self.bad is None else min(self.bad, self.size)
+        if self.good is None or not self._room():
+            return None
+        upcoming = self.shrunk()
+        return upcoming if upcoming is not None and self.good < upcoming < self.bad else None
+
+    def grown(self) -> Optional[int]:
+        """After a size fitted: the next size to try (``None``: done)."""
+        if self.bad is not None:
+            return self.shrunk()
+        return self.size * 2
+
+    def shrunk(self) -> Optional[int]:
+        """After a size failed twice: the next size to try between ``good`` and ``bad``."""
+        assert self.good is not None and self.bad is not None
+        return (self.good + self.bad) // 2 if self.bad - self.good > 1 else None
+
+
+class _Power(_Search):
+    """``mode="power"``: doubling until the first size that does not fit."""
+
+    def grown(self) -> Optional[int]:
+        return None if self.bad is not None else self.size * 2
+
+    def shrunk(self) -> Optional[int]:
+        return None
+
+
+class _Binsearch(_Search):
+    """``mode="binsearch"``: doubling, then bisecting between the last size that fitted and
+    the first that failed until they are adjacent."""
 
 
 _SIGNIFICANT = 0.1  # a fit rests on measured memory of at least this share of the budget
 _GROWTH = 16  # the most a size grows in one trial while no fit is reliable
 _GAIN = 0.03  # a predicted size this little above the last one that fitted is not tried
+
+
+class _Predict(_Search):
+    """``mode="predict"``: each trial's peak memory measured and fitted as memory = fixed +
+    per-sample x size; the next size is the largest the fit says the budget holds."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.probe = _Probe()
+        self.fits: dict[str, MemoryFit] = {}
+
+    def trial(self) -> None:
+        free_memory()  # every measured trial starts from the same, trimmed, state
+        for device, used in self.probe.run(super().trial).items():
+            self.fits.setdefault(device, MemoryFit()).add(self.size, used)
+
+    def grown(self) -> Optional[int]:
+        assert self.good is not None
+        failures = sum(1 for a in self.attempts if not a.ok) // 2
+        return _predicted(self.fits, self.probe.available(), self.good, self.bad, failures)
+
+    def shrunk(self) -> Optional[int]:
+        return self.grown()
+
+
+_SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
+                                       "predict": _Predict}
+
+
+def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
+                    max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
+                    steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,
+                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    cache: Union[bool, str, "os.PathLike[str]"] = False,
+                    restore: Any = None) -> BatchSize:
+    """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
+
+    Each search is one mode:
+
+    - ``"power"`` doubles from ``start`` until the first out-of-memory (or
+      ``max_batch_size``);
+    - ``"binsearch"`` then bisects between the last size that fitted and the first that
+      failed until they are adjacent;
+    - ``"predict"`` measures instead of guessing: each trial's peak memory on every device
+      with a budget (CUDA's ``max_memory_allocated`` after a reset, the host's high-water
+      mark), fitted as memory = fixed + per-sample x size; while the measured memory is under
+      a tenth of what the budget that binds can give, the size grows (at most 16-fold); then
+      it jumps to the largest size the fit says the budget holds, less 5%, verifies it with a
+      trial, refits and stops once the next prediction gains under 3%. After an
+      out-of-memory it tries 95% of the size that failed, then bisects. Typically 4 to 6
+      trials from ``start=1`` where bisection takes about 18.
+
+    A size that runs out of memory is tried once more before it counts as too big (an
+    allocator that fails now and then, another process's spike). Memory is freed between
+    trials as in :func:`oom_retry`. A boundary found once is not a size that holds in a
+    fresh run (fragmentation, a peak that moves): the answer is the largest size that fitted
+    less ``margin`` (5% by default, as Lightning's finder leaves).
+
+    Args:
+        step: called with a batch size; runs what must fit (a training step, a forward).
+        start: the first size tried.
+        max_batch_size: the largest size tried (``None``: no limit).
+        mode: ``"binsearch"``, ``"power"`` or ``"predict"`` (above).
+        steps: calls of ``step`` per trial (memory often peaks in the second step, once
+            optimizer state exists).
+        margin: the fraction taken off the largest size that fitted.
+        max_attempts: the most trials; the search then stops at the largest size that fitted,
+            with a warning.
+        on_retry: called with each failed trial's :class:`Attempt` after its cleanup.
+        sync: in a distributed job every rank tries the same sizes (a size that fails on any
+            rank fails on all) and all return the same size.
+        cache: ``True``: a later search with the same step and parameters in this process
+            returns the size found without a trial; a file path: the same across processes
+            and restarts (as ``oom_retry(cache=path)`` keeps its sizes); ``False``: search
+            every time.
+        restore: objects with ``state_dict``/``load_state_dict`` (model, optimizer...) put
+            back to their state at the start before each trial and after the search, as
+            Lightning's finder does: trials that train change the weights.
+
+    Returns:
+        The size (a :class:`BatchSize`, an ``int`` whose ``history`` holds every trial).
+
+    Raises:
+        OutOfMemoryError: when even ``start`` ran out of memory, twice.
+
+    >>> import memguard
+    >>> def step(batch_size):
+    ...     if batch_size > 300:
+    ...         raise MemoryError("too big")
+    >>> size = memguard.find_batch_size(step, start=16, margin=0.0)
+    >>> size, len(size.history)
+    (300, 20)
+    """
+    who = "find_batch_size"
+    positive_int(start, "start", who=who)
+    positive_int(steps, "steps", who=who)
+    if max_batch_size is not None and positive_int(max_batch_size, "max_batch_size",
+                                                   who=who) < start:
+        raise ValueError(f"{who}: max_batch_size={max_batch_size} is smaller than "
+                         f"start={start}")
+    if mode not in _SEARCHES:
+        raise ValueError(f"{who}: mode must be 'binsearch', 'power' or 'predict', got {mode!r}")
+    fraction(margin, "margin", include_zero=True, who=who)
+    policy = Policy.checked(who, max_attempts=max_attempts, on_retry=on_retry, sync=sync)
+    if not isinstance(cache, bool):
+        cache = check_path(cache)
+    objects = torch_state.check_restorable(restore)
+    key = size_key(who, step, start) + f" max={max_batch_size} mode={mode} steps={steps}"
+    stored = _FOUND.get(key) if cache else None
+    if stored is None and isinstance(cache, str):
+        stored = SizeFile(cache).get(key)
+    if stored is not None and stored >= start:
+        found = stored if max_batch_size is None else min(stored, max_batch_size)
+        log.info("%s: %d from the size cache", who, found)
+        return BatchSize(_finish(found, margin, policy), [])
+    saved = (torch_state.copy_states(objects, budget_available("host"))
+             if objects else None)
+    try:
+        search = _SEARCHES[mode](step, start, max_batch_size, steps, policy, saved)
+        for attempt in search:
+            with attempt:
+                search.trial()
+        if saved is not None:
+            saved.load()
+    finally:
+        if saved is not None:
+            saved.discard()
+    if search.good is None:
+        raise exhausted(who, search.attempts, f" from start={start}")
+    if search.cut_short:
+        log.warning("%s stopped after max_attempts=%d trials at %d, the largest size that "
+                    "fitted; raise max_attempts or set max_batch_size to search on", who,
+                    policy.max_attempts, search.good)
+    if cache:
+        _FOUND[key] = search.good
+        if isinstance(cache, str):
+            SizeFile(cache).put(key, search.good)
+    found = _finish(search.good, margin, policy)
+    log.info("%s found %d after %d trials", who, found, len(search.attempts))
+    return BatchSize(found, search.attempts)
+
+
+def _finish(good: int, margin: float, policy: Policy) -> int:
+    """The size returned: ``good`` less ``margin``, the smallest over the ranks."""
+    from .distributed import Agreement
+
+    return Agreement(policy.sync).smallest(max(1, math.floor(good * (1 - margin))))
 
 
 class _Probe:
@@ -211,13 +313,14 @@ class _Probe:
                 found[device] = value
         return found
 
-    def run(self, step: Callable[[int], Any], size: int,
-            steps: int) -> tuple[Optional[str], dict[str, int]]:
+    def run(self, body: Callable[[], Any]) -> dict[str, int]:
+        """Run ``body()`` (its exceptions propagate); the peak memory it took on each
+        device."""
         levels = {d: b.level(b.read_fast(d)) for b, d in self.pairs}
         token = object()
         peak_book.enter(id(token), self.pairs)
         try:
-            error = _fits(step, size, steps)
+            body()
         finally:
             peaks = peak_book.exit(id(token), self.pairs)
         memory = {}
@@ -225,7 +328,7 @@ class _Probe:
             peak = peaks.get(device)
             if peak is not None and level is not None:
                 memory[device] = max(0, peak - level)
-        return error, memory
+        return memory
 
 
 def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
@@ -273,77 +376,92 @@ class BatchResults(list):
         self.history: list[Attempt] = [] if history is None else history
 
 
-class _Mapper:
-    """One ``map_batches`` call: the current size, the results, the attempts."""
+class _Segment(Loop):
+    """``map_batches`` over one input (a sequence, or one batch of an iterable): calls of
+    ``fn`` on consecutive slices, the size shrinking on out-of-memory and staying shrunk for
+    the rest; an attempt that fails is redone at the smaller size, finished slices never."""
 
-    def __init__(self, fn: Callable[[Any], Any], size: Optional[int], min_batch_size: int,
-                 factor: Factor, on_retry: Optional[Callable[[Attempt], Any]]) -> None:
+    def __init__(self, fn: Callable[[Any], Any], cut: Callable[[int, int], Any], total: int,
+                 size: int, policy: Policy, history: list[Attempt], where: Callable[[int], str],
+                 whole: Any = None) -> None:
+        super().__init__("map_batches", size, policy, history=history)
+        self.fn, self.cut, self.total, self.where, self.whole = fn, cut, total, where, whole
+        self.offset = 0
+        self.results: list[Any] = []
+        self.out: Any = None
+        self.failed_here = False
+
+    def call(self) -> None:
+        """The body of one attempt: ``fn`` on the next slice."""
+        stop = min(self.offset + self.size, self.total)
+        whole = self.whole is not None and self.offset == 0 and stop == self.total
+        chunk = self.whole if whole else self.cut(self.offset, stop)
+        self.out = self.fn(chunk)
+
+    def record_success(self, seconds: float) -> None:
+        if self.attempts and not self.attempts[-1].ok:  # the size that worked after a failure
+            super().record_success(seconds)
+
+    def record(self, attempt: Attempt) -> None:
+        self.failed_here = self.failed_here or not attempt.ok
+        super().record(attempt)
+
+    def after_ok(self) -> Optional[int]:
+        self.results.append(self.out)
+        self.out = None
+        self.offset = min(self.offset + self.size, self.total)
+        return self.size if self.offset < self.total else None
+
+    def recover(self, retrying: bool) -> int:
+        self.out = None
+        return super().recover(retrying)
+
+    def out_of_sizes(self) -> OutOfMemoryError:
+        return OutOfMemoryError(
+            f"map_batches: out of memory at batch_size={self.size}, the smallest allowed, at "
+            f"{self.where(self.offset)}; the finished results are on the error's .partial",
+            self.attempts)
+
+
+class _Mapper:
+    """One ``map_batches`` call: the size, the results, the history, over every segment."""
+
+    def __init__(self, fn: Callable[[Any], Any], size: Optional[int], policy: Policy) -> None:
         self.fn = fn
         self.size = size  # None: an iterable's batches as they come, until one runs out
-        self.min_batch_size = min_batch_size
-        self.factor = factor
-        self.gauge = Gauge("map_batches") if factor == "auto" else None
-        self.on_retry = on_retry
+        self.policy = policy
         self.results: list[Any] = []
         self.history: list[Attempt] = []
-        self.retried = False  # the next success is recorded: the size that worked
 
     def run(self, cut: Callable[[int, int], Any], total: int, where: Callable[[int], str],
-            whole: Any = None) -> None:
+            whole: Any = None, join: bool = False) -> None:
         """Call ``fn`` on ``cut(start, stop)`` over ``0..total`` (``whole`` as it is when the
-        size allows all of it at once), shrinking on out-of-memory."""
-        done = 0
-        while done < total:
-            stop = total if self.size is None else min(done + self.size, total)
-            chunk = whole if whole is not None and done == 0 and stop == total else \
-                cut(done, stop)
-            if self.gauge is not None:
-                self.gauge.start()
-            started = time.perf_counter()
-            try:
-                out = self.fn(chunk)
-            except BaseException as exc:
-                if oom_kind(exc) is None:
-                    raise
-                failed = self._failed(exc, stop - done, time.perf_counter() - started,
-                                      where(done))
-            else:
-                self.results.append(out)
-                if self.retried:
-                    self.history.append(Attempt(stop - done, None, True, None,
-                                                time.perf_counter() - started))
-                    self.retried = False
-                done = stop
-                continue
-            del chunk
-            free_memory()  # outside except: the exception is no longer referenced
-            self.size = failed.next_batch_size
-            self.retried = True
-            log.warning("map_batches ran out of memory at %s; going on at batch_size=%d",
-                        where(done), self.size)
-            if self.on_retry is not None:
-                self.on_retry(failed)
+        size allows all of it at once); with ``join``, the slices' results joined into one."""
+        size = total if self.size is None else min(self.size, total)
+        segment = _Segment(self.fn, cut, total, max(size, 1), self.policy, self.history, where,
+                           whole)
+        try:
+            for attempt in segment:
+                with attempt:
+                    segment.call()
+        except OutOfMemoryError as exc:
+            exc.partial = self.results + segment.results
+            raise
+        if segment.failed_here:
+            self.size = segment.size
+        if join and len(segment.results) > 1:
+            from .backends.torch_data import concatenate
 
-    def _failed(self, exc: BaseException, size: int, seconds: float, where: str) -> Attempt:
-        """Inside ``except``: the failed attempt at ``size``, recorded with the size to go on
-        at; the :class:`OutOfMemoryError` when there is none smaller."""
-        self.history.append(failure(exc, size, None, seconds))
-        estimate = self.gauge.size_after(exc, size) if self.gauge is not None else None
-        drop_frames(exc)  # before any raise: __cause__ must not keep the frames
-        if size <= self.min_batch_size:  # nothing smaller to try
-            raise OutOfMemoryError(
-                f"map_batches: out of memory at batch_size={size}, the minimum, at {where}; "
-                f"the finished results ({len(self.results)} calls) are on the error's "
-                f".partial", self.history, self.results) from exc
-        upcoming = next_size(self.factor, size, self.min_batch_size, estimate, "map_batches")
-        self.history[-1] = dataclasses.replace(self.history[-1], next_batch_size=upcoming)
-        return self.history[-1]
+            self.results.append(concatenate(segment.results))
+        else:
+            self.results.extend(segment.results)
 
 
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
-                collate: Optional[Callable[[list[T]], Any]] = None,
-                on_retry: Optional[Callable[[Attempt], Any]] = None) -> Any:
+                max_attempts: Optional[int] = None,
+                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                collate: Optional[Callable[[list[T]], Any]] = None) -> Any:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.
 
     ``data`` is one of:
@@ -355,24 +473,42 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
       :func:`auto_microbatch` cuts a batch, and ``fn`` receives the same structure;
     - a map-style ``torch.utils.data.Dataset``: ``batch_size`` samples at a time, collated
       with ``default_collate`` (a ``TensorDataset`` gives ``(x, y)`` of stacked tensors);
-    - a ``DataLoader``, or any other iterable of batches: each batch goes to ``fn`` as it is
-      (cut to ``batch_size`` when one is given and the batch is longer).
+    - a ``DataLoader``, or any other iterable of batches (a generator): each batch goes to
+      ``fn`` as it is (cut to ``batch_size`` when one is given and the batch is longer); the
+      results of one batch's slices are joined into one result per input batch (tensors
+      and arrays concatenated, lists end to end, tuples and dicts part by part; results of
+      other kinds become the list of the slices' results).
 
-    On an out-of-memory only the failed batch (or slice) is retried, at
-    ``max(min_batch_size, floor(size * factor))`` (half, by default), split along dim 0
-    (element-wise for tuples and dicts), and the rest goes on at that size: finished work is
-    never recomputed. ``factor`` means what it means to :func:`oom_retry`: a number between
-    0 and 1; a callable ``size -> next size``, which must return a positive int below
-    ``size`` (else ``ValueError``); or ``"auto"``, the next size measured from what the
-    failed call took and asked for against what the budget that binds had left when it
-    began (halving when the error states no size; the budgets are read before every call
-    of ``fn``, a fraction of a millisecond each time). Returns a list of the results, one per
-    call of ``fn`` (a :class:`BatchResults`, whose ``history`` holds the :class:`Attempt`
-    records of the retries, each failure with its ``next_batch_size``), or
-    ``collate(results)`` (``torch.cat``, say).
-    ``on_retry(attempt)`` runs after each failed attempt's cleanup, before the retry. When
-    the slice at ``min_batch_size``, or ``collate``, runs out of memory, the
-    :class:`OutOfMemoryError` keeps the finished results, in order, on ``.partial``.
+    On an out-of-memory only the failed batch (or slice) is retried, at a smaller size (half,
+    by default), split along dim 0 (element-wise for tuples and dicts), and the rest goes on
+    at that size: finished work is never recomputed. The policy arguments mean what they mean
+    to :func:`oom_retry`.
+
+    Args:
+        fn: called with each batch; its result is kept.
+        data: what to map (above).
+        batch_size: the size of the slices (needed for everything but an iterable of
+            batches).
+        min_batch_size: the smallest size tried.
+        factor: the next size is ``floor(size * factor)``; ``"auto"`` measures it from what
+            the failed call took and asked for (the budgets are read before every call of
+            ``fn``, a fraction of a millisecond each time); a callable ``size -> next size``.
+        max_attempts: the most attempts at one batch.
+        on_retry: called with each failed :class:`Attempt` after its cleanup.
+        sync: ``False`` by default, unlike the other entry points: ranks often map inputs of
+            different lengths. With ``True`` (or ``"auto"`` in a job of several ranks) every
+            rank must map data of the same length: a size that fails on any rank is redone
+            on all, and all go on at the same size.
+        collate: joins the list of results (``torch.cat``, say) before it is returned.
+
+    Returns:
+        The results, one per slice of a sequence and one per batch of an iterable (a
+        :class:`BatchResults`, whose ``history`` holds the :class:`Attempt` records of the
+        retries, each failure with its ``next_size``), or ``collate(results)``.
+
+    Raises:
+        OutOfMemoryError: when the slice at ``min_batch_size``, or ``collate``, runs out of
+            memory; the finished results, in order, are on its ``.partial``.
 
     >>> import memguard
     >>> memguard.map_batches(sum, list(range(10)), batch_size=4)
@@ -382,17 +518,16 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     >>> memguard.map_batches(len, iter([[1, 2, 3], [4, 5]]))
     [3, 2]
     """
-    check_start(batch_size, min_batch_size, "map_batches")
-    factor = check_policy(factor)
-    if on_retry is not None and not callable(on_retry):
-        raise TypeError(f"map_batches: on_retry must be callable, got {on_retry!r}")
+    policy = Policy.checked("map_batches", min_batch_size=min_batch_size, factor=factor,
+                            max_attempts=max_attempts, on_retry=on_retry, sync=sync)
+    policy.check_start(batch_size, "map_batches")
     from .backends.torch_data import collate as collate_samples, is_map_dataset
 
-    mapper = _Mapper(fn, batch_size, min_batch_size, factor, on_retry)
+    mapper = _Mapper(fn, batch_size, policy)
     if isinstance(data, (tuple, Mapping)) or is_map_dataset(data) or (
             hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         if batch_size is None:
-            raise TypeError(f"map_batches needs batch_size=... for a {type(data).__name__} "
+            raise TypeError(f"map_batches: needs batch_size=... for a {type(data).__name__} "
                             f"(only an iterable of batches, such as a DataLoader, brings its "
                             f"own)")
         if isinstance(data, (tuple, Mapping)):
@@ -416,7 +551,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
         for index, batch in enumerate(data):
             _map_batch(mapper, batch, f"batch {index}{of}")
     else:
-        raise TypeError(f"map_batches needs data with len() and slicing, a tuple or dict of "
+        raise TypeError(f"map_batches: needs data with len() and slicing, a tuple or dict of "
                         f"those, a torch Dataset, or an iterable of batches (a DataLoader), "
                         f"got {type(data).__name__}")
     results = mapper.results
@@ -443,7 +578,7 @@ def _map_batch(mapper: _Mapper, batch: Any, name: str) -> None:
         mapper.run(lambda a, b: batch, 1, lambda done: name, whole=batch)
     else:
         mapper.run(lambda a, b: plan.cut(batch, a, b), plan.length,
-                   lambda done: f"item {done} of {name}", whole=batch)
+                   lambda done: f"item {done} of {name}", whole=batch, join=True)
 
 
 def _check_slice(data: Any, chunk: Any, start: int, stop: int) -> None:

@@ -19,10 +19,11 @@ import time
 from typing import Any, Callable, Optional
 
 from ._units import format_bytes, format_table
+from .loop import Attempt
 from .backends import level_field
 from .config import memory_limit
 from .monitor import MemoryMonitor
-from .retry import Attempt, oom_retry
+from .retry import oom_retry
 from .scope import MemoryScope, memory_scope
 
 FEATURES, HIDDEN, CLASSES = 128, 2048, 10
@@ -142,11 +143,12 @@ def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optiona
 def retry_line(attempt: Attempt) -> str:
     """What the demo prints when ``oom_retry`` retries after ``attempt`` failed.
 
-    >>> retry_line(Attempt(4096, None, False, "out of memory", 1.5, next_batch_size=1024))
+    >>> retry_line(Attempt(size=4096, ok=False, error="out of memory", seconds=1.5,
+    ...                    next_size=1024))
     '  out of memory at batch_size=4096 after 1.50 s; memory freed, retrying at batch_size=1024'
     """
-    return (f"  out of memory at batch_size={attempt.batch_size} after {attempt.seconds:.2f} s; "
-            f"memory freed, retrying at batch_size={attempt.next_batch_size}")
+    return (f"  out of memory at batch_size={attempt.size} after {attempt.seconds:.2f} s; "
+            f"memory freed, retrying at batch_size={attempt.next_size}")
 
 
 def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",

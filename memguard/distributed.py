@@ -16,7 +16,8 @@ from typing import Literal, Union
 from .backends import torch_distributed
 
 Sync = Union[bool, Literal["auto"]]
-OK, OOM, FAILED = 0, 1, 2
+OK, OOM, GAVE_UP, FAILED = 0, 1, 2, 3
+"""A rank's status after an attempt, worst last: the worst over the ranks is their maximum."""
 
 
 def check_sync(sync: object, who: str = "sync") -> Sync:
@@ -45,6 +46,12 @@ class Agreement:
                                "(torch.distributed.init_process_group)")
         self.active = world is not None and (sync is True or world[1] > 1)
         self.rank = world[0] if world else 0
+
+    def all_max(self, values: list[int]) -> list[int]:
+        """Each of ``values`` maximised over the ranks (as they are when not active)."""
+        if not self.active:
+            return values
+        return torch_distributed.all_max(values)
 
     def agree(self, status: int, size: int) -> tuple[int, int]:
         """Return the worst status over the ranks and the smallest size."""

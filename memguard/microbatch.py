@@ -23,31 +23,48 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import time
 import weakref
-from typing import Any, Callable, Literal, Optional, TypeVar
+from typing import Any, Callable, Literal, Optional, ParamSpec, Protocol, TypeVar
 
-from ._checks import fraction, optional_positive_int, positive_int
+from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
-from ._events import emit
 from ._slices import Plan, plan_batch
-from ._units import format_bytes
+from .loop import Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
 from .backends import torch_distributed, torch_training as training
-from .cleanup import drop_frames, free_memory
-from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
-from .errors import MemguardError, oom_kind
-from .retry import Attempt, GuardState, exhausted, failure, memory_summary
-from .sizes import next_size
+from .cleanup import free_memory
+from .distributed import Sync
+from .errors import OutOfMemoryError
 
 log = logging.getLogger("memguard")
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R_co = TypeVar("R_co", covariant=True)
 Reduction = Literal["mean", "sum"]
 
 
+class MicrobatchedFunction(Protocol[P, R_co]):
+    """What ``@auto_microbatch(model)`` returns: the step, called as before, with its
+    statistics.
+
+    Attributes:
+        microbatch_size: the slice size that fitted (``None`` until a batch was split).
+        history: the last call's :class:`Attempt` records (``unit="microbatch"``).
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    @property
+    def microbatch_size(self) -> Optional[int]: ...
+
+    @property
+    def history(self) -> list[Attempt]: ...
+
+    def reset(self) -> None:
+        """Forget the microbatch size and the last call's attempts."""
+
+
 class _Config:
-    def __init__(self, func: Callable[..., Any], model: Any, min_size: int, factor: float,
-                 reduction: str, grow_every: Optional[int], scaler: Any, sync: Sync,
-                 sharded: bool) -> None:
+    def __init__(self, func: Callable[..., Any], model: Any, policy: Policy, reduction: str,
+                 grow_every: Optional[int], scaler: Any, sharded: bool) -> None:
         self.name = name_of(func)
         target = getattr(func, "__func__", func)
         self.names = list(inspect.signature(target).parameters)
@@ -55,12 +72,10 @@ class _Config:
             raise TypeError(f"auto_microbatch: {self.name}() takes no argument; its first "
                             f"parameter receives the batch")
         self.model = model
-        self.min_size = min_size
-        self.factor = factor
+        self.policy = policy
         self.reduction = reduction
         self.grow_every = grow_every
         self.scaler = scaler
-        self.sync = sync
         # FSDP's forward gathers parameters into tensors of its own: they are the graph's
         # leaves, not strangers to the model
         self.sharded = sharded
@@ -92,8 +107,12 @@ class _State(GuardState):
         self.clean_steps = 0
 
 
-class _Step:
-    """One call: its passes over the batch, their attempts and the ranks' agreement."""
+class _Step(Loop):
+    """One call: its passes over the batch (the loop's attempts), redone in slices on
+    out-of-memory; a rank that is done waits for the others."""
+
+    unit: Unit = "microbatch"
+    peers = "wait"
 
     def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
@@ -102,24 +121,25 @@ class _Step:
             remembered = state.microbatch_size
             grow = (cfg.grow_every is not None and remembered is not None and remembered < n
                     and state.clean_steps >= cfg.grow_every)
-        self.size = remembered if remembered is not None and remembered < n else n
+        size = remembered if remembered is not None and remembered < n else n
         self.fallback: Optional[int] = None
         if grow:
-            self.fallback, self.size = self.size, min(n, math.ceil(self.size / cfg.factor))
-            log.info("%s: %d clean steps at microbatch %d; trying %d", cfg.name,
-                     state.clean_steps, self.fallback, self.size)
-        self.attempts: list[Attempt] = []
+            factor = cfg.policy.factor
+            larger = math.ceil(size / factor) if isinstance(factor, float) else size * 2
+            self.fallback, size = size, min(n, larger)
+            log.info("%s: %d clean steps at microbatch_size=%d; trying %d", cfg.name,
+                     state.clean_steps, self.fallback, size)
+        super().__init__(cfg.name, size, cfg.policy, owner=state)
         with state.lock:
             state.history = self.attempts
-        self.started = 0.0
         self.params = training.parameters(cfg.model)
         self.shared = len(self.params)  # the model's own: what DDP averages
         with state.lock:
             self.params += [t for t in state.extras.values() if t.requires_grad]
         self.entry: list[Any] = []
+        self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
         self.who = f"{cfg.name}()"
         self.ddp = training.ddp_of(cfg.model)
-        self.agreement = Agreement(cfg.sync)
         world = torch_distributed.world()
         if self.ddp is not None and self.agreement.active and world is not None \
                 and training.group_size(self.ddp) != world[1]:
@@ -134,58 +154,21 @@ class _Step:
     # -- the call --------------------------------------------------------------------------
     def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.entry = training.stash(self.params)
+        total = None
         try:
             with training.local_gradients(self.ddp) as syncs:
-                total, present = self._passes(wrapped, args, kwargs, syncs)
+                self.syncs = syncs
+                for attempt in self:
+                    with attempt:
+                        total = self._pass(wrapped, args, kwargs)
             training.merge(self.params, self.entry)
         except BaseException:
             training.restore(self.params, self.entry)
             raise
-        if syncs and self.ddp is not None:  # syncs: a DDP model's reduction was held back
-            training.average(self.params[:self.shared], present, self.ddp.process_group)
+        if syncs and self.ddp is not None:  # a DDP model's reduction was held back
+            training.average(self.params[:self.shared], self.flags, self.ddp.process_group)
         self._remember()
         return total
-
-    def _passes(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict,
-                syncs: bool) -> tuple[Any, list[int]]:
-        total, done = None, False
-        while True:
-            status, error, give_up = OK, None, False
-            if not done:
-                self.started = time.perf_counter()
-                try:
-                    total = self._pass(wrapped, args, kwargs)
-                except Exception as exc:  # noqa: BLE001 - told to the peers, then re-raised
-                    # (a BaseException, Ctrl-C or exit, leaves at once)
-                    status, give_up = self._failed(exc)
-                    error = exc
-                else:
-                    done = True
-                    self.attempts.append(Attempt(self.size, self.slices(), True, None,
-                                                 time.perf_counter() - self.started))
-            freed = self._recover() if status == OOM else 0
-            flags = (training.presence(self.params[:self.shared], self.entry[:self.shared])
-                     if syncs else [])
-            worst, flags = self.agreement.worst(FAILED if give_up else status, flags)
-            if status == FAILED:
-                raise error  # type: ignore[misc]
-            if give_up:
-                raise exhausted(self.cfg.name, f"microbatch size tried for a batch of "
-                                f"{self.samples}", self.attempts, "min_size") from error
-            if worst == FAILED:
-                raise MemguardError(f"{self.cfg.name}: another rank failed (an error that is "
-                                    f"not an out-of-memory, or out of memory at its smallest "
-                                    f"microbatch); see that rank's log")
-            if worst == OK:
-                return total, flags
-            if status == OOM:
-                last = self.attempts[-1]
-                log.warning("%s: %s at microbatch %d of %d samples; %s; freed %s; redoing the "
-                            "batch in slices of %d", self.cfg.name, last.error,
-                            last.batch_size, self.samples, memory_summary(last.memory),
-                            format_bytes(freed), self.size)
-            else:
-                log.info("%s: another rank ran out of memory; waiting for it", self.cfg.name)
 
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
@@ -226,35 +209,33 @@ class _Step:
         self.params += found
         self.entry += training.stash(found)
 
-    # -- an out-of-memory ------------------------------------------------------------------
-    def _failed(self, exc: BaseException) -> tuple[int, bool]:
-        """Inside ``except``: the status, and whether this rank has no smaller size left."""
-        if oom_kind(exc) is None:
-            return FAILED, False
-        seconds = time.perf_counter() - self.started
-        upcoming = self._next_size()
-        self.attempts.append(failure(exc, self.size, self.slices(), seconds, upcoming))
-        emit(f"OOM at microbatch={self.size}")
-        drop_frames(exc)
-        if upcoming is None:
-            return OOM, True
-        self.size = upcoming
-        return OOM, False
+    # -- the loop's hooks ------------------------------------------------------------------
+    def steps(self) -> int:
+        return self.slices()
 
-    def _next_size(self) -> Optional[int]:
+    def local_flags(self) -> list[int]:
+        if not self.syncs:
+            return []
+        return training.presence(self.params[:self.shared], self.entry[:self.shared])
+
+    def propose(self, estimate: Optional[int]) -> Optional[int]:
         if self.fallback is not None:  # a larger size tried after clean steps: step back
             size, self.fallback = self.fallback, None
             return size
-        if self.size <= self.cfg.min_size:
-            return None
-        return next_size(self.cfg.factor, self.size, self.cfg.min_size)
+        return super().propose(estimate)
 
-    def _recover(self) -> int:
-        """Outside ``except``: drop the failed pass's gradients, free its memory."""
+    def after_oom(self, agreed: int) -> Optional[int]:
+        return self.proposal  # each rank cuts its own batch: its own size
+
+    def recover(self, retrying: bool) -> int:
+        """Drop the failed pass's gradients, free its memory."""
         training.drop(self.params)
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
         return free_memory()
+
+    def out_of_sizes(self) -> OutOfMemoryError:
+        return exhausted(self.cfg.name, self.attempts, f" for a batch of {self.samples}")
 
     def _remember(self) -> None:
         failed = any(not a.ok for a in self.attempts)
@@ -265,9 +246,12 @@ class _Step:
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
-def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
+def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
+                    max_attempts: Optional[int] = None,
+                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
                     reduction: Reduction = "mean", grow_every: Optional[int] = None,
-                    scaler: Any = None, sync: Sync = "auto") -> Callable[[F], F]:
+                    scaler: Any = None
+                    ) -> Callable[[Callable[P, R_co]], MicrobatchedFunction[P, R_co]]:
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
 
@@ -275,29 +259,51 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     to every call as they are) and returns the scalar loss of what it was given. memguard
     calls backward itself and returns the whole batch's loss, detached. On an out-of-memory
     (:func:`is_oom_error`) in forward or backward, the pass's partial gradients are dropped,
-    memory is freed outside ``except``, and the same batch is redone in slices of
-    ``max(min_size, floor(size * factor))`` samples along dim 0. With ``reduction="mean"``
-    each slice's loss is weighted by ``len(slice) / len(batch)`` (exact for a loss that is a
-    mean over samples); ``"sum"`` adds the slices' losses as they are. Gradients the
-    parameters held on entry are kept; any other exception propagates at once with them
-    restored. When ``min_size`` fails too: :class:`OutOfMemoryError` with every size tried.
+    memory is freed outside ``except``, and the same batch is redone in slices along dim 0,
+    their size shrinking as :func:`oom_retry`'s batch size does (the policy arguments mean
+    the same). With ``reduction="mean"`` each slice's loss is weighted by ``len(slice) /
+    len(batch)`` (exact for a loss that is a mean over samples); ``"sum"`` adds the slices'
+    losses as they are. Gradients the parameters held on entry are kept; any other exception
+    propagates at once with them restored.
 
     A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept),
     nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
-    go to every slice as they are. The size that fitted is kept for later calls
-    (``.microbatch_size``; ``None`` until a batch had to be split; batches no larger run
-    whole); ``grow_every=N`` tries the next larger size (``ceil(size / factor)``, at most the
-    batch) after N steps without an out-of-memory and steps back at once if it fails.
-    ``scaler``, a ``torch.amp.GradScaler``, scales each backward. ``.history`` holds the last
-    call's :class:`Attempt` records (``batch_size`` is the slice size, ``accumulation_steps``
-    the number of slices, ``next_batch_size`` the slice size the failed pass is redone at);
-    ``.reset()`` forgets the size.
+    go to every slice as they are. The size that fitted is kept for later calls; batches no
+    larger run whole.
 
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
-    rank's out-of-memory, in forward or backward, hangs no one), and the gradients are
-    averaged once over the DDP group afterwards, as DDP would have (not inside the user's own
-    ``no_sync()``). Every rank must call the step, as DDP requires.
+    rank's out-of-memory, in forward or backward, hangs no one: a rank that is done waits),
+    and the gradients are averaged once over the DDP group afterwards, as DDP would have
+    (not inside the user's own ``no_sync()``). Every rank must call the step, as DDP
+    requires. Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
+
+    Args:
+        model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP or
+            FSDP wrapped or not).
+        min_batch_size: the smallest slice size tried.
+        factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
+            callable ``size -> next size`` decides.
+        max_attempts: the most passes over one batch (``None``: until ``min_batch_size``).
+        on_retry: called with the failed :class:`Attempt` after the cleanup, before the
+            batch is redone.
+        sync: agree with the other ranks of a distributed job after each pass.
+        reduction: ``"mean"`` or ``"sum"``, what the step's loss is over its samples.
+        grow_every: after this many steps without an out-of-memory, try the next larger
+            slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
+            most the batch), stepping back at once if it fails; ``None``: never.
+        scaler: a ``torch.amp.GradScaler`` that scales each backward.
+
+    Returns:
+        A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole
+        batch's loss, detached, and exposes ``microbatch_size`` (the slice size that fitted;
+        ``None`` until a batch had to be split), ``history`` (the last call's
+        :class:`Attempt` records, ``unit="microbatch"``, ``steps`` the number of slices)
+        and ``reset()``.
+
+    Raises:
+        OutOfMemoryError: when the slice at ``min_batch_size`` (or the ``max_attempts``-th
+            pass) runs out of memory too.
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)
@@ -308,19 +314,18 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     >>> loss.requires_grad, model.weight.grad is not None, loss_of.microbatch_size
     (False, True, None)
     """
-    positive_int(min_size, "min_size")
-    factor = fraction(factor, "factor")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
-                         f"{reduction!r}")
-    optional_positive_int(grow_every, "grow_every")
-    check_sync(sync, "auto_microbatch")
-    if scaler is not None and not callable(getattr(scaler, "scale", None)):
-        raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
-                        f"its scale()), got {type(scaler).__name__}")
     if callable(model) and not hasattr(model, "parameters"):
         raise TypeError(f"auto_microbatch takes the model first: "
                         f"@auto_microbatch(model), not @auto_microbatch (got {model!r:.80})")
+    policy = Policy.checked("auto_microbatch", min_batch_size=min_batch_size, factor=factor,
+                            max_attempts=max_attempts, on_retry=on_retry, sync=sync)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
+                         f"{reduction!r}")
+    optional_positive_int(grow_every, "grow_every", who="auto_microbatch")
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
+                        f"its scale()), got {type(scaler).__name__}")
     training.parameters(model)
     sharded = training.sharded(model)
     if sharded:
@@ -329,13 +334,12 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
                     "peers waiting in them until the process group's timeout",
                     type(model).__name__)
 
-    def decorate(func: F) -> F:
+    def decorate(func: Callable[P, R_co]) -> MicrobatchedFunction[P, R_co]:
         kind = function_kind(func)
         if kind != "sync":
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
-        cfg = _Config(func, model, min_size, factor, reduction, grow_every, scaler, sync,
-                      sharded)
+        cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded)
         state = _State()
 
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]

@@ -9,9 +9,7 @@ what memory an attempt measured instead of guessed from a fixed factor.
   used and asked for against what the budget could give (``oom_retry(factor="auto")``).
 - :class:`MemoryFit`: memory = fixed + per-sample x size, fitted to measured peaks, and the
   largest size a budget holds (``find_batch_size(mode="predict")``).
-- the size policy ``oom_retry`` and ``map_batches`` share: ``factor`` checked
-  (:func:`check_policy`), the next size (:func:`next_size`), what ``factor="auto"`` measures
-  of an attempt (:class:`Gauge`), a start size checked against ``min_batch_size``.
+- :class:`Gauge`: what ``factor="auto"`` measures of an attempt.
 """
 
 from __future__ import annotations
@@ -20,18 +18,14 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Optional, Union
 
-from ._checks import fraction, positive_int
-from ._decorate import name_of
 from ._units import format_bytes
 from .backends.budget import available as budget_available, device_identity, watched_devices
 from .errors import oom_device, requested_bytes
 
 log = logging.getLogger("memguard")
 PathLike = Union[str, "os.PathLike[str]"]
-Factor = Union[float, Literal["auto"], Callable[[int], int]]
-"""How the size shrinks after an out-of-memory: a fraction, ``"auto"`` or ``size -> size``."""
 
 AUTO_MARGIN = 0.05
 """The share of the available memory ``factor="auto"`` and ``mode="predict"`` leave unused."""
@@ -280,52 +274,6 @@ class MemoryFit:
             return None
         fixed, slope = line
         return max(0, math.floor((available * (1 - margin) - max(0.0, fixed)) / slope))
-
-
-def check_start(size: Any, min_batch_size: Any, who: str, name: str = "batch_size") -> None:
-    """The starting size ``size`` (``None``: not known yet) and ``min_batch_size`` as positive
-    ints, ``min_batch_size`` no larger than ``size``; else a ``ValueError`` naming them."""
-    if size is not None:
-        positive_int(size, name)
-    positive_int(min_batch_size, "min_batch_size")
-    if size is not None and min_batch_size > size:
-        raise ValueError(f"{who}: min_batch_size={min_batch_size} is larger than the starting "
-                         f"{name}={size}; lower min_batch_size or start larger")
-
-
-def check_policy(factor: Any) -> Factor:
-    """``factor`` as ``oom_retry`` and ``map_batches`` take it: a fraction, ``"auto"`` or a
-    callable."""
-    if factor == "auto" and isinstance(factor, str):
-        return "auto"
-    if callable(factor):
-        return factor
-    if isinstance(factor, str):
-        raise ValueError(f"factor must be a number between 0 and 1 (exclusive), 'auto' or a "
-                         f"callable size -> next size, got {factor!r}")
-    return fraction(factor, "factor")
-
-
-def next_size(factor: Factor, size: int, minimum: int, estimate: Optional[int] = None,
-              who: str = "oom_retry") -> int:
-    """The size after an out-of-memory at ``size`` (above ``minimum``): ``floor(size *
-    factor)``, what a callable ``factor`` returns (checked: a positive int below ``size``), or
-    for ``"auto"`` the measured ``estimate`` (half when nothing was measured); never below
-    ``minimum``.
-
-    >>> next_size(0.25, 64, 1), next_size("auto", 64, 1), next_size(lambda s: s - 30, 64, 40)
-    (16, 32, 40)
-    """
-    if factor == "auto":
-        upcoming = estimate if estimate is not None else size // 2
-    elif callable(factor):
-        upcoming = factor(size)
-        if isinstance(upcoming, bool) or not isinstance(upcoming, int) or not 0 < upcoming < size:
-            raise ValueError(f"{who}: factor {name_of(factor)}({size}) returned {upcoming!r}; "
-                             f"it must return a positive int smaller than {size}")
-    else:
-        upcoming = math.floor(size * factor)
-    return max(minimum, upcoming)
 
 
 class Gauge:

@@ -30,9 +30,9 @@ set_budget(300 if rank == 1 else 1500)  # rank 1 fits 2 x 50 MiB x 2 only
 
 train = memguard.oom_retry(batch_size=8)(attempt)
 result = train()
-sizes = [a.batch_size for a in train.history]
+sizes = [a.size for a in train.history]
 again = train()
-found = memguard.find_batch_size(attempt, start=1, max_batch_size=16)
+found = memguard.find_batch_size(attempt, margin=0.0, start=1, max_batch_size=16)
 
 @memguard.oom_retry(batch_size=4)
 def broken(batch_size):

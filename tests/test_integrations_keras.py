@@ -77,7 +77,7 @@ def test_a_failed_fit_leaves_the_callback_ready_for_the_next(caplog):
                          callbacks=[callback, *extra])
 
     history = fit()
-    assert [a.batch_size for a in fit.history] == [32, 16]
+    assert [a.size for a in fit.history] == [32, 16]
     [failure] = callback.failures
     assert failure["batch_size"] == 32 and failure["step"] == 2
     assert [s.name for s in callback.scopes] == ["keras epoch 1"]

@@ -200,7 +200,7 @@ def test_a_budgeted_fit_recovers_through_oom_retry(python_in_subprocess):
         trainer = train()
         lift_budget()
         print(json.dumps({"final": train.batch_size,
-                          "tried": [a.batch_size for a in train.history],
+                          "tried": [a.size for a in train.history],
                           "failures": [f["batch_size"] for f in callback.failures],
                           "epochs": trainer.current_epoch,
                           "logged": sorted(trainer.callback_metrics)}))

@@ -112,7 +112,7 @@ def test_an_oom_is_logged_through_on_retry_and_the_next_train_runs(tmp_path, cap
     assert failure["batch_size"] == 8 and failure["step"] == 1
     assert "DefaultCPUAllocator" in failure["error"] and failure["memory"]["devices"]["host"]
     assert "transformers: out of memory during fit at step 1, batch_size=8" in caplog.text
-    assert [a.batch_size for a in train.history] == [8, 4]
+    assert [a.size for a in train.history] == [8, 4]
     assert [s.name for s in callback.scopes] == ["transformers epoch 1"]  # after the retry
     assert any("memory/host/peak" in e for e in trainer.state.log_history)
 
@@ -164,7 +164,7 @@ def test_a_budgeted_train_recovers_through_oom_retry(python_in_subprocess):
         trainer = guarded()
         lift_budget()
         print(json.dumps({"final": guarded.batch_size,
-                          "tried": [a.batch_size for a in guarded.history],
+                          "tried": [a.size for a in guarded.history],
                           "failures": [f["batch_size"] for f in callback.failures],
                           "logged": [sorted(e) for e in trainer.state.log_history
                                      if "memory/host/peak" in e]}))

@@ -51,9 +51,9 @@ def test_a_dataset_of_dicts_shrinks_on_a_real_oom_and_records_it():
     assert [label for part in out for label in part] == list(range(12))
     assert [len(r) for r in out] == [2, 2, 2, 2, 2, 2]  # 8 fails, 4 fails, then 2 from there
     assert isinstance(out, BatchResults)
-    assert [(a.batch_size, a.ok) for a in out.history] == [(8, False), (4, False), (2, True)]
+    assert [(a.size, a.ok) for a in out.history] == [(8, False), (4, False), (2, True)]
     assert "DefaultCPUAllocator" in out.history[0].error and out.history[0].memory is not None
-    assert [a.batch_size for a in retries] == [8, 4]
+    assert [a.size for a in retries] == [8, 4]
 
 
 def test_a_dataloader_batch_is_passed_as_is_and_split_element_wise_on_oom():
@@ -88,12 +88,15 @@ def test_any_iterable_of_batches_keeps_finished_results_on_partial():
     with pytest.raises(memguard.OutOfMemoryError, match="item 0 of batch 2") as info:
         memguard.map_batches(fn, batches(), min_batch_size=2)
     assert info.value.partial == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [a.batch_size for a in info.value.attempts] == [4, 2]
+    assert [a.size for a in info.value.attempts] == [4, 2]
 
 
 def test_an_iterable_batch_is_cut_to_batch_size_and_a_sequence_needs_one():
     out = memguard.map_batches(len, iter([list(range(10))]), batch_size=4)
-    assert out == [4, 4, 2] and out.history == []
+    assert out == [[4, 4, 2]] and out.history == []  # one result per input batch
+    joined = memguard.map_batches(lambda b: [2 * x for x in b], iter([[1, 2, 3], [4]]),
+                                  batch_size=2)
+    assert joined == [[2, 4, 6], [8]]
     with pytest.raises(TypeError, match=r"needs batch_size=\.\.\. for a TensorDataset"):
         memguard.map_batches(len, TensorDataset(torch.arange(3)))
     with pytest.raises(TypeError, match="on_retry must be callable, got 3"):
@@ -113,14 +116,14 @@ def test_factor_chooses_the_sizes_tried_and_each_failure_names_the_next():
     out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor=0.25,
                                on_retry=retries.append)
     assert seen[:3] == [64, 16, 4] and sum(out) == 64 and set(out) == {4}
-    assert [(a.batch_size, a.ok, a.next_batch_size) for a in out.history] == [
+    assert [(a.size, a.ok, a.next_size) for a in out.history] == [
         (64, False, 16), (16, False, 4), (4, True, None)]
-    assert [a.next_batch_size for a in retries] == [16, 4]
+    assert [a.next_size for a in retries] == [16, 4]
     seen.clear()
     out = memguard.map_batches(fn, torch.arange(10), batch_size=10,
                                factor=lambda size: size - 3)
     assert seen == [10, 7, 4, 4, 2] and out == [4, 4, 2]  # 10 -> 7 -> 4, then 4 on from there
-    assert [a.next_batch_size for a in out.history] == [7, 4, None]
+    assert [a.next_size for a in out.history] == [7, 4, None]
 
 
 def test_auto_factor_measures_what_the_failed_call_asked_for():
@@ -134,7 +137,7 @@ def test_auto_factor_measures_what_the_failed_call_asked_for():
     out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor="auto")
     # the measured size is kept to a quarter at the least: not halving's 32
     assert seen[:3] == [64, 16, 4] and sum(out) == 64
-    assert [a.next_batch_size for a in out.history if not a.ok] == [16, 4]
+    assert [a.next_size for a in out.history if not a.ok] == [16, 4]
 
     def unsized(batch):
         seen.append(len(batch))

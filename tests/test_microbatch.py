@@ -104,11 +104,11 @@ def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, factor,
     loss = loss_of((x, y))
     expected = F.mse_loss(ref(x), y)
     expected.backward()
-    assert [a.batch_size for a in loss_of.history] == sizes
+    assert [a.size for a in loss_of.history] == sizes
     assert [a.ok for a in loss_of.history] == [False, False, True]
-    assert [a.next_batch_size for a in loss_of.history] == sizes[1:] + [None]
+    assert [a.next_size for a in loss_of.history] == sizes[1:] + [None]
     assert "torch CPU allocator" in loss_of.history[0].error
-    assert loss_of.history[-1].accumulation_steps == -(-n // sizes[-1])
+    assert loss_of.history[-1].steps == -(-n // sizes[-1])
     if n == 250:  # 62 + 62 + 62 + 62 + 2, the last weighted by its own length
         assert seen[-5:] == [62, 62, 62, 62, 2]
     assert abs(loss.item() - expected.item()) < 1e-6
@@ -117,7 +117,7 @@ def test_split_gradients_equal_one_backward_of_the_whole_batch(where, n, factor,
 
     seen.clear()
     loss_of((x, y))  # the next step starts at the size that worked: one attempt
-    assert len(loss_of.history) == 1 and loss_of.history[0].batch_size == sizes[-1]
+    assert len(loss_of.history) == 1 and loss_of.history[0].size == sizes[-1]
     assert seen == [len(s) for s in torch.arange(n).split(sizes[-1])]
 
 
@@ -178,21 +178,21 @@ def test_other_errors_propagate_at_once_with_entry_gradients_restored():
     assert_close(grads(model), entry_values, 0.0)
 
 
-def test_min_size_failing_too_raises_with_every_size_and_keeps_entry_gradients():
+def test_min_batch_size_failing_too_raises_with_every_size_and_keeps_entry_gradients():
     model, _ = pair()
     model.forward_limit = 10
     x, y = data(64)
 
-    @memguard.auto_microbatch(model, min_size=16)
+    @memguard.auto_microbatch(model, min_batch_size=16)
     def loss_of(batch):
         return F.mse_loss(model(batch[0]), batch[1])
 
-    with pytest.raises(memguard.OutOfMemoryError, match="every microbatch size") as info:
+    with pytest.raises(memguard.OutOfMemoryError, match="every microbatch_size") as info:
         loss_of((x, y))
-    assert [a.batch_size for a in info.value.attempts] == [64, 32, 16]
+    assert [a.size for a in info.value.attempts] == [64, 32, 16]
     assert memguard.is_oom_error(info.value.__cause__)
     assert all(p.grad is None for p in model.parameters())
-    assert [a.batch_size for a in loss_of.history] == [64, 32, 16]
+    assert [a.size for a in loss_of.history] == [64, 32, 16]
 
 
 def test_interrupt_is_never_retried():
@@ -228,7 +228,7 @@ def test_grow_every_tries_a_larger_size_and_steps_back_at_once():
         if step == 4:
             model.forward_limit = 200  # shorter sequences now: 128 fits
         loss_of((x, y))
-        sizes.append([a.batch_size for a in loss_of.history])
+        sizes.append([a.size for a in loss_of.history])
     assert sizes[:4] == [[256, 128, 64], [64], [64], [128, 64]]  # grown 128 fails, back to 64
     assert sizes[4:] == [[64], [64], [128], [128]]  # two clean steps later 128 fits
     assert loss_of.microbatch_size == 128
@@ -246,12 +246,12 @@ def test_growing_back_to_the_whole_batch():
     loss_of((x, y))
     model.forward_limit = 10**9
     loss_of((x, y))  # the split step was not clean; this one is
-    assert [a.batch_size for a in loss_of.history] == [128]
+    assert [a.size for a in loss_of.history] == [128]
     loss_of((x, y))
-    assert [a.batch_size for a in loss_of.history] == [256]
+    assert [a.size for a in loss_of.history] == [256]
     assert loss_of.microbatch_size == 256  # whole batches of 256 run as one slice
     loss_of((x, y))
-    assert [(a.batch_size, a.accumulation_steps) for a in loss_of.history] == [(256, 1)]
+    assert [(a.size, a.steps) for a in loss_of.history] == [(256, 1)]
 
 
 def test_growing_on_a_short_batch_remembers_only_what_it_saw():
@@ -268,7 +268,7 @@ def test_growing_on_a_short_batch_remembers_only_what_it_saw():
     loss_of((x[:90], y[:90]))  # the short last batch of an epoch: grows to 90, which fits
     assert loss_of.microbatch_size == 90
     loss_of((x, y))  # a full batch starts at 90, not at the whole 256
-    assert loss_of.history[0].batch_size == 90
+    assert loss_of.history[0].size == 90
 
 
 def test_smaller_batches_than_the_remembered_size_run_whole():
@@ -282,7 +282,7 @@ def test_smaller_batches_than_the_remembered_size_run_whole():
 
     loss_of((x, y))
     loss_of((x[:40], y[:40]))
-    assert [a.batch_size for a in loss_of.history] == [40]
+    assert [a.size for a in loss_of.history] == [40]
     assert loss_of.microbatch_size == 64
     loss_of.reset()
     assert loss_of.microbatch_size is None and loss_of.history == []
@@ -352,14 +352,14 @@ def test_split_is_logged_and_marked_for_monitors(caplog):
             memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))((x, y))
     finally:
         _events.unlisten(marks.append)
-    assert marks == ["OOM at microbatch=256", "OOM at microbatch=128"]
+    assert marks == ["OOM at microbatch_size=256", "OOM at microbatch_size=128"]
     assert "redoing the batch in slices of 128" in caplog.text
 
 
 def test_bad_values_are_refused_at_decoration():
     model = Net()
     for kwargs, error in [({"factor": 1}, ValueError), ({"factor": True}, ValueError),
-                          ({"min_size": 0}, ValueError), ({"reduction": "avg"}, ValueError),
+                          ({"min_batch_size": 0}, ValueError), ({"reduction": "avg"}, ValueError),
                           ({"grow_every": 0}, ValueError), ({"sync": "yes"}, ValueError),
                           ({"scaler": 3}, TypeError)]:
         with pytest.raises(error):
@@ -486,7 +486,7 @@ def test_a_tiny_gpt2_on_a_batch_encoding_splits_with_the_whole_batch_gradients()
     loss = loss_of(batch)
     expected = reference(**batch).loss  # a mean over tokens: all sequences are equally long
     expected.backward()
-    assert [a.batch_size for a in loss_of.history] == [24, 12, 6]
+    assert [a.size for a in loss_of.history] == [24, 12, 6]
     assert set(seen) == {"BatchEncoding"}
     assert abs(loss.item() - expected.item()) < 1e-5
     worst = max((p.grad - q.grad).abs().max().item()

@@ -58,7 +58,7 @@ def train(model, loss_of, record=None):
         for part in range(accumulate):
             loss_of(batch(10 * step + part, n))
             if record is not None:
-                record.append([a.batch_size for a in loss_of.history])
+                record.append([a.size for a in loss_of.history])
         opt.step()
         opt.zero_grad()
 

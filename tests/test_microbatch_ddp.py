@@ -83,7 +83,7 @@ sizes, losses = [], []
 for step, (phase, hungry, where) in enumerate(PLAN):
     net.where = where if rank == hungry else None
     losses.append(loss_of(batch(step, rank)).item())
-    sizes.append([a.batch_size for a in loss_of.history])
+    sizes.append([a.size for a in loss_of.history])
     opt.step()
     opt.zero_grad()
 net.where = None

@@ -41,7 +41,7 @@ def test_failed_attempt_is_released_before_the_next_one(python_in_subprocess):
         results = {}
         for name, fn in [("plain", plain), ("cycle", cyclic)]:
             value = fn()
-            results[name] = {"value": value, "sizes": [a.batch_size for a in fn.history],
+            results[name] = {"value": value, "sizes": [a.size for a in fn.history],
                              "errors": [a.error for a in fn.history]}
             second = fn()
             results[name]["second_attempts"] = len(fn.history)
@@ -98,8 +98,8 @@ def test_find_batch_size_lands_on_the_boundary(python_in_subprocess):
             first = torch.ones(batch_size * SMALL)
             second = torch.ones(batch_size * SMALL)
 
-        found = memguard.find_batch_size(step, start=8)
-        power = memguard.find_batch_size(step, start=8, mode="power")
+        found = memguard.find_batch_size(step, margin=0.0, start=8)
+        power = memguard.find_batch_size(step, margin=0.0, start=8, mode="power")
         with_margin = memguard.find_batch_size(step, start=8, margin=0.1)
         def fits(size):
             memguard.free_memory()  # the same clean start for every check
@@ -128,12 +128,13 @@ def test_find_batch_size_lands_on_the_boundary(python_in_subprocess):
 def test_find_batch_size_gives_up_when_even_start_fails(python_in_subprocess):
     out = python_in_subprocess(script(TORCH_SETUP, """
         try:
-            memguard.find_batch_size(attempt, start=16)
+            memguard.find_batch_size(attempt, margin=0.0, start=16)
             print(json.dumps(None))
         except memguard.OutOfMemoryError as err:
-            print(json.dumps({"message": str(err), "sizes": [a.batch_size for a in err.attempts]}))
+            print(json.dumps({"message": str(err), "sizes": [a.size for a in err.attempts]}))
     """), env=ENV, timeout=300)
-    assert out["sizes"] == [16] and "even start=16 ran out of memory" in out["message"]
+    # every trial is on the record: the start, and the start tried once more
+    assert out["sizes"] == [16, 16] and "even start=16 ran out of memory" in out["message"]
 
 
 def test_map_batches_never_recomputes_a_finished_batch(python_in_subprocess):
@@ -190,7 +191,7 @@ def test_tensorflow_eager_and_tf_function(python_in_subprocess):
 
         results = {}
         for name, fn in [("eager", eager), ("graph", graph)]:
-            results[name] = {"value": fn(), "sizes": [a.batch_size for a in fn.history],
+            results[name] = {"value": fn(), "sizes": [a.size for a in fn.history],
                              "error": fn.history[0].error}
         print(json.dumps(results))
     """), env=ENV, timeout=300)

@@ -36,7 +36,7 @@ def test_halves_until_it_fits_and_records_every_attempt():
     assert train() == 32
     assert [b for b, _ in calls] == [256, 128, 64, 32]
     history = train.history
-    assert [(a.batch_size, a.ok) for a in history] == [(256, False), (128, False), (64, False),
+    assert [(a.size, a.ok) for a in history] == [(256, False), (128, False), (64, False),
                                                       (32, True)]
     assert "DefaultCPUAllocator" in history[0].error and history[0].memory is not None
     assert history[0].memory["host"].reserved > 0 and history[-1].memory is None
@@ -111,7 +111,7 @@ def test_giving_up_lists_every_size_with_its_memory_and_chains_the_last_error():
     with pytest.raises(memguard.OutOfMemoryError) as info:
         train()
     err = info.value
-    assert [a.batch_size for a in err.attempts] == [8, 4, 2, 1]
+    assert [a.size for a in err.attempts] == [8, 4, 2, 1]
     text = str(err)
     assert "out of memory at every batch_size tried: 8 (host " in text
     assert "; 4 (host" in text and "; 1 (host" in text
@@ -143,7 +143,7 @@ def test_keep_effective_batch_passes_accumulation_steps():
     assert calls == [(100, 1), (50, 2), (25, 4)]
     for size, steps in calls:
         assert size * steps >= 100 and steps == math.ceil(100 / size)
-    assert train.history[-1].accumulation_steps == 4
+    assert train.history[-1].steps == 4
 
 
 def test_keep_effective_batch_with_a_named_accumulation_parameter():
@@ -162,7 +162,7 @@ def test_on_retry_runs_after_cleanup_before_the_next_attempt(caplog):
     events = []
 
     def on_retry(attempt):
-        events.append(("retry", attempt.batch_size, attempt.ok))
+        events.append(("retry", attempt.size, attempt.ok))
 
     @memguard.oom_retry(batch_size=40, on_retry=on_retry)
     def train(batch_size):
@@ -199,8 +199,8 @@ def test_methods_and_async_functions():
     trainer = Trainer()
     assert trainer.fit() == 8 and trainer.sizes == [32, 16, 8]
     assert trainer.fit.batch_size == 8 and Trainer.fit.batch_size == 8
-    assert [a.batch_size for a in trainer.fit.history] == [32, 16, 8]
-    assert trainer.fit() == 8 and [a.batch_size for a in Trainer.fit.history] == [8]
+    assert [a.size for a in trainer.fit.history] == [32, 16, 8]
+    assert trainer.fit() == 8 and [a.size for a in Trainer.fit.history] == [8]
     assert inspect.iscoroutinefunction(Trainer.afit)
     assert asyncio.run(trainer.afit()) == 4
     assert [a.ok for a in trainer.afit.history] == [False, False, False, True]
@@ -288,17 +288,17 @@ def test_each_failed_attempt_names_the_size_the_next_one_runs_at():
     train = memguard.oom_retry(batch_size=64, factor=0.25, min_batch_size=2)(workload(3, calls))
     assert train() == 2 and [b for b, _ in calls] == [64, 16, 4, 2]
     history = train.history
-    assert [(a.batch_size, a.next_batch_size) for a in history] == [(64, 16), (16, 4), (4, 2),
+    assert [(a.size, a.next_size) for a in history] == [(64, 16), (16, 4), (4, 2),
                                                                    (2, None)]
     assert str(history[0]).endswith("; next batch_size=16") and "next" not in str(history[-1])
-    assert history[0].to_dict()["next_batch_size"] == 16
+    assert history[0].to_dict()["next_size"] == 16
     seen = []
     train = memguard.oom_retry(batch_size=8, factor=lambda size: max(1, size - 3),
                                on_retry=seen.append)(workload(0, None))
     with pytest.raises(memguard.OutOfMemoryError) as info:
         train()
-    assert [(a.batch_size, a.next_batch_size) for a in seen] == [(8, 5), (5, 2), (2, 1)]
-    assert [(a.batch_size, a.next_batch_size) for a in info.value.attempts][-1] == (1, None)
+    assert [(a.size, a.next_size) for a in seen] == [(8, 5), (5, 2), (2, 1)]
+    assert [(a.size, a.next_size) for a in info.value.attempts][-1] == (1, None)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

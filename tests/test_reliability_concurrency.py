@@ -259,7 +259,7 @@ def test_copy_and_deepcopy_return_the_decorated_function_itself(func):
 def test_the_unpickled_function_is_the_working_decorated_one():
     step = pickle.loads(pickle.dumps(df.shrinking_step))
     assert step() == 64
-    assert [a.batch_size for a in step.history] == [1024, 512, 256, 128, 64]
+    assert [a.size for a in step.history] == [1024, 512, 256, 128, 64]
     scoped = pickle.loads(pickle.dumps(df.frees_with_options))
     assert scoped(1) == 3
 

@@ -219,7 +219,7 @@ def test_nested_guards_walk_each_ladder_once_per_outermost_call():
         outer()
     assert outer_calls == [8, 4, 2, 1]
     assert inner_calls == [16, 8, 4, 2, 1] + [1] * 3  # 5 + 4 - 1, not 5 * 4
-    assert [a.batch_size for a in info.value.attempts] == outer_calls
+    assert [a.size for a in info.value.attempts] == outer_calls
     assert all("out of memory (memguard)" in a.error for a in info.value.attempts)
 
 
@@ -261,7 +261,7 @@ def test_recursion_records_sizes_only_at_the_outermost_call():
     with pytest.raises(memguard.OutOfMemoryError):
         rec()
     assert rec.batch_size is None  # an inner call's success is not a working size
-    assert [a.batch_size for a in rec.history] == [4, 2, 1]
+    assert [a.size for a in rec.history] == [4, 2, 1]
     calls.clear()
     with pytest.raises(memguard.OutOfMemoryError):
         rec()
@@ -270,7 +270,7 @@ def test_recursion_records_sizes_only_at_the_outermost_call():
 
 # -- find_batch_size ---------------------------------------------------------------------------
 
-def test_find_batch_size_stops_after_max_trials(caplog):
+def test_find_batch_size_stops_after_max_attempts(caplog):
     sizes = []
 
     def step(batch_size):
@@ -279,16 +279,16 @@ def test_find_batch_size_stops_after_max_trials(caplog):
         torch.empty(16)  # never runs out
 
     with caplog.at_level(logging.WARNING, logger="memguard"):
-        assert memguard.find_batch_size(step) == 1 << 24
+        assert memguard.find_batch_size(step, margin=0.0) == 1 << 24
     assert sizes == [1 << i for i in range(25)]
-    assert "max_trials=25" in caplog.text
+    assert "max_attempts=25" in caplog.text
     sizes.clear()
-    assert memguard.find_batch_size(step, start=3, max_trials=5) == 48 and len(sizes) == 5
+    assert memguard.find_batch_size(step, margin=0.0, start=3, max_attempts=5) == 48 and len(sizes) == 5
     sizes.clear()
-    assert memguard.find_batch_size(step, start=3, max_batch_size=20) == 20
+    assert memguard.find_batch_size(step, margin=0.0, start=3, max_batch_size=20) == 20
     assert sizes == [3, 6, 12, 20]
-    with pytest.raises(ValueError, match="max_trials must be a positive int, got 0"):
-        memguard.find_batch_size(step, max_trials=0)
+    with pytest.raises(ValueError, match="max_attempts must be a positive int, got 0"):
+        memguard.find_batch_size(step, margin=0.0, max_attempts=0)
 
 
 def test_find_batch_size_confirms_a_failure_before_treating_a_size_as_too_big():
@@ -301,7 +301,7 @@ def test_find_batch_size_confirms_a_failure_before_treating_a_size_as_too_big():
             flaky.discard(batch_size)
             real_oom()
 
-    assert memguard.find_batch_size(step, start=3) == 100
+    assert memguard.find_batch_size(step, margin=0.0, start=3) == 100
     assert sizes.count(96) == 2 and sizes.count(192) == 2  # each failure tried twice
 
 
@@ -317,7 +317,7 @@ def test_find_batch_size_survives_an_allocator_that_fails_one_time_in_ten(python
                 if batch_size > 600 or rng.random() < 0.1:
                     bytearray(1 << 62)
             try:
-                return memguard.find_batch_size(step, start=1)
+                return memguard.find_batch_size(step, margin=0.0, start=1)
             except memguard.OutOfMemoryError:
                 return None
 

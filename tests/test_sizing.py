@@ -61,7 +61,7 @@ def test_predict_finds_nine_tenths_of_binsearch_in_at_most_eight_trials(python_i
         for mode in ("binsearch", "predict"):
             calls.clear()
             memguard.free_memory()
-            found = memguard.find_batch_size(step, start=1, mode=mode)
+            found = memguard.find_batch_size(step, start=1, mode=mode, margin=0.0)
             results[mode] = {"found": found, "calls": list(calls)}
         print(json.dumps(results))
     """), env=ENV, timeout=300)
@@ -84,10 +84,10 @@ def test_predict_returns_a_size_that_was_seen_to_fit_and_respects_max_batch_size
             real_oom()
         del block
 
-    found = memguard.find_batch_size(step, start=4, mode="predict", max_batch_size=900)
+    found = memguard.find_batch_size(step, margin=0.0, start=4, mode="predict", max_batch_size=900)
     assert found == 900 and found in sizes and len(set(sizes)) <= 5
     with pytest.raises(ValueError, match="'binsearch', 'power' or 'predict', got 'guess'"):
-        memguard.find_batch_size(step, mode="guess")
+        memguard.find_batch_size(step, margin=0.0, mode="guess")
 
 
 # -- factor="auto" and a callable factor --------------------------------------------------------
@@ -261,7 +261,7 @@ def test_restore_makes_a_retried_call_equal_one_that_fitted_at_once():
     model, optimizer, scheduler, train = _training(True)
     retried = memguard.oom_retry(batch_size=64, factor=0.25,
                                  restore=(model, optimizer, scheduler))(train)
-    assert retried() == 16 and [a.batch_size for a in retried.history] == [64, 16]
+    assert retried() == 16 and [a.size for a in retried.history] == [64, 16]
 
     fresh, fresh_optimizer, fresh_scheduler, fresh_train = _training(True)
     fresh_train(16)
@@ -312,7 +312,7 @@ def train(batch_size):
         torch.empty(1 << 42)
     return batch_size
 
-print(json.dumps({"size": train(), "attempts": [a.batch_size for a in train.history]}))
+print(json.dumps({"size": train(), "attempts": [a.size for a in train.history]}))
 """
 
 
@@ -423,7 +423,7 @@ def test_find_batch_size_remembers_its_size_in_a_file(tmp_path):
         if batch_size > 300:
             real_oom()
 
-    assert memguard.find_batch_size(step, start=16, cache=path) == 300
+    assert memguard.find_batch_size(step, margin=0.0, start=16, cache=path) == 300
     searched = len(trials)
     trials.clear()
     assert memguard.find_batch_size(step, start=16, cache=path, margin=0.1) == 270
@@ -448,6 +448,6 @@ def test_cuda_budget_counts_reserved_but_unused_memory_and_predict_finds_a_size(
         def step(batch_size):
             torch.empty(batch_size * 4 * MiB, dtype=torch.uint8, device="cuda").sum()
 
-        predicted = memguard.find_batch_size(step, start=1, mode="predict")
-        searched = memguard.find_batch_size(step, start=1)
+        predicted = memguard.find_batch_size(step, margin=0.0, start=1, mode="predict")
+        searched = memguard.find_batch_size(step, margin=0.0, start=1)
     assert predicted >= 0.9 * searched

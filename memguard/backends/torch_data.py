@@ -31,3 +31,36 @@ def collate(samples: list[Any]) -> Any:
     from torch.utils.data import default_collate
 
     return default_collate(samples)
+
+
+_UNJOINABLE = object()
+
+
+def concatenate(parts: list[Any]) -> Any:
+    """``parts`` (the results of one batch's slices, in order) joined along their first
+    dimension as the batch was cut: torch tensors with ``torch.cat``, numpy arrays with
+    ``numpy.concatenate``, lists end to end, tuples and dicts part by part. Results of any
+    other kind (a number, a string) are not joined: the list of them is returned.
+
+    >>> concatenate([[1, 2], [3]]), concatenate([({"a": [1]}, 5), ({"a": [2]}, 6)])
+    ([1, 2, 3], ({'a': [1, 2]}, [5, 6]))
+    """
+    joined = _join(parts)
+    return list(parts) if joined is _UNJOINABLE else joined
+
+
+def _join(parts: list[Any]) -> Any:
+    first = parts[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts):
+        return torch.cat(parts)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and all(isinstance(p, numpy.ndarray) and p.ndim > 0 for p in parts):
+        return numpy.concatenate(parts)
+    if all(type(p) is list for p in parts):
+        return [item for p in parts for item in p]
+    if all(type(p) is tuple and len(p) == len(first) for p in parts):
+        return tuple(concatenate([p[i] for p in parts]) for i in range(len(first)))
+    if all(type(p) is dict and p.keys() == first.keys() for p in parts):
+        return {key: concatenate([p[key] for p in parts]) for key in first}
+    return _UNJOINABLE
