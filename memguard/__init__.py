@@ -26,11 +26,11 @@ from .snapshot import MemorySnapshot, snapshot
 from .tensors import TensorInfo, live_tensors, memory_report
 
 if TYPE_CHECKING:
-    from .loop import Attempt, Attempts, attempts
     from .backends.budget import Budget
     from .batching import BatchResults, BatchSize, find_batch_size, map_batches
     from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_growth
     from .history import RecordHistory, record_history
+    from .loop import Attempt, Attempts, attempts
     from .microbatch import MicrobatchedFunction, auto_microbatch
     from .monitor import MemoryMonitor
     from .retry import RetryingFunction, oom_retry

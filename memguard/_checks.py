@@ -7,13 +7,11 @@ input the same way.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
-import sys
-import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _prefix(who: Optional[str]) -> str:
@@ -102,11 +100,27 @@ def flag(value: Any, name: str, *, who: Optional[str] = None) -> bool:
     return value
 
 
-def deprecated(message: str) -> None:
-    """Warn with a ``DeprecationWarning`` pointing at the first caller outside memguard, so
-    the warning names the user's line however deep inside memguard the old spelling is read.
+def renamed(**names: str) -> Callable[[F], F]:
+    """Make a function refuse the old name of a renamed keyword argument with a ``TypeError``
+    that names the new one (``old="new"``), keeping its signature.
+
+    >>> @renamed(min_size="min_batch_size")
+    ... def f(*, min_batch_size=1):
+    ...     return min_batch_size
+    >>> f(min_size=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: f() got the keyword argument min_size, which is now min_batch_size: write ...
     """
-    level, frame = 2, sys._getframe(1)  # noqa: SLF001 - the caller's frames: no public way to walk them
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, DeprecationWarning, stacklevel=level)
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            for old, new in names.items():
+                if old in kwargs:
+                    raise TypeError(f"{func.__name__}() got the keyword argument {old}, which "
+                                    f"is now {new}: write {new}={kwargs[old]!r}")
+            return func(*args, **kwargs)
+
+        return checked  # type: ignore[return-value]
+
+    return decorate

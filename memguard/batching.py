@@ -10,14 +10,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
-from ._checks import fraction, positive_int
+from ._checks import fraction, positive_int, renamed
 from ._slices import Plan, plan_batch
-from .loop import Attempt, Factor, Loop, Policy, exhausted
 from .backends import resolve_devices, torch_state
 from .backends.budget import available as budget_available, watched_devices
 from .cleanup import free_memory
 from .distributed import Sync
 from .errors import OutOfMemoryError, oom_kind
+from .loop import Attempt, Factor, Loop, Policy, exhausted
 from .scope import peak_book
 from .sizes import MemoryFit, SizeFile, check_path, size_key
 
@@ -176,6 +176,7 @@ _SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
                                        "predict": _Predict}
 
 
+@renamed(max_trials="max_attempts")
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
                     steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,

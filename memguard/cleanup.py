@@ -23,7 +23,6 @@ import logging
 import traceback
 from typing import Any, Iterable, Literal, Optional
 
-from ._checks import deprecated
 from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
 from .errors import chained
@@ -32,16 +31,16 @@ log = logging.getLogger("memguard")
 
 Cleanup = Literal["auto", "always", "never"]
 CLEANUPS = ("auto", "always", "never")
-Policy = Literal["auto", "always"]
+Acting = Literal["auto", "always"]
 """A cleanup that acts: what a :class:`Settler` applies."""
 Readings = dict[str, Reading]
 Pairs = list[tuple[Backend, str]]
 
 
 def cleanup_mode(value: Any, who: str) -> Cleanup:
-    """``value`` checked as a ``cleanup=`` argument: ``"auto"``, ``"always"`` or ``"never"``.
-    ``True`` and ``False`` (the older spelling of ``"auto"`` and ``"never"``) still work with a
-    ``DeprecationWarning``; anything else is a ``ValueError`` naming ``who`` and the value.
+    """``value`` checked as a ``cleanup=`` argument: ``"auto"``, ``"always"`` or ``"never"``;
+    anything else (``True`` and ``False`` too, naming the word to write) is a ``ValueError``
+    naming ``who`` and the value.
 
     >>> cleanup_mode("always", "memory_scope")
     'always'
@@ -50,13 +49,12 @@ def cleanup_mode(value: Any, who: str) -> Cleanup:
     ...
     ValueError: memory_scope: cleanup must be 'auto', 'always' or 'never', got 'yes'
     """
-    if value is True or value is False:
-        new: Cleanup = "auto" if value else "never"
-        deprecated(f"{who}: cleanup={value} is deprecated; write cleanup={new!r}")
-        return new
     if isinstance(value, str) and value in CLEANUPS:
         return value  # type: ignore[return-value]
-    raise ValueError(f"{who}: cleanup must be 'auto', 'always' or 'never', got {value!r}")
+    hint = ""
+    if value is True or value is False:
+        hint = f" (write cleanup={'auto' if value else 'never'!r})"
+    raise ValueError(f"{who}: cleanup must be 'auto', 'always' or 'never', got {value!r}{hint}")
 
 
 def settler_for(cleanup: Cleanup, adaptive: bool = False) -> Optional["Settler"]:
@@ -97,7 +95,7 @@ def empty_caches(backends: Iterable[Backend]) -> None:
             log.warning("emptying the %s cache failed: %s", backend.name, exc)
 
 
-def free_memory(*args: Any, keras: bool = False) -> int:
+def free_memory(*, keras: bool = False) -> int:
     """Free every byte that can be freed now; return the bytes given back.
 
     Runs a full ``gc.collect()``, then empties the cache of every active backend (torch's
@@ -105,22 +103,19 @@ def free_memory(*args: Any, keras: bool = False) -> int:
     result is the drop of ``reserved`` memory (the resident set on the host) summed over
     devices. TensorFlow cannot give GPU memory back to the driver within a process; with
     ``keras=True`` the Keras session is cleared first (global: every model built so far is
-    forgotten by Keras). ``keras`` is keyword-only: ``free_memory`` takes no positional
-    argument, and is not a decorator (``@memguard.frees_memory`` is the one that frees after
-    each call).
+    forgotten by Keras). ``free_memory`` is not a decorator: ``@memguard.frees_memory`` is
+    the one that frees after each call.
+
+    Args:
+        keras: also clear the Keras session (keyword-only).
+
+    Returns:
+        The bytes given back, summed over devices.
 
     >>> import memguard
     >>> memguard.free_memory() >= 0
     True
     """
-    if args:
-        what = args[0]
-        if callable(what):
-            raise TypeError(f"free_memory is not a decorator: it frees memory now and was given "
-                            f"{getattr(what, '__qualname__', what)!r}; to free memory after each "
-                            f"call of a function, decorate it with @memguard.frees_memory")
-        raise TypeError(f"free_memory takes no positional argument, got {what!r}; write "
-                        f"free_memory(keras=True) to clear the Keras session too")
     if not isinstance(keras, bool):
         raise TypeError(f"free_memory: keras must be True or False, got {keras!r}")
     pairs = resolve_devices(None)
@@ -184,10 +179,10 @@ class Settler:
     after 1, 3, 7 ... 63 calls.
     """
 
-    def __init__(self, policy: Policy = "auto", adaptive: bool = False) -> None:
-        if policy not in ("auto", "always"):
-            raise ValueError(f"policy must be 'auto' or 'always', got {policy!r}")
-        self.policy = policy
+    def __init__(self, cleanup: Acting = "auto", adaptive: bool = False) -> None:
+        if cleanup not in ("auto", "always"):
+            raise ValueError(f"Settler: cleanup must be 'auto' or 'always', got {cleanup!r}")
+        self.cleanup = cleanup
         self.adaptive = adaptive
         self._gc = _Backoff()
         self._cache = _Backoff()
@@ -196,7 +191,7 @@ class Settler:
     def settle(self, pairs: Pairs, entry: Readings) -> Outcome:
         """Clean up after a block that began with ``entry`` readings."""
         now = read_all(pairs)
-        if self.policy == "always":
+        if self.cleanup == "always":
             gc.collect()
             empty_caches(b for b, _ in pairs)
             after = read_all(pairs)

@@ -19,9 +19,9 @@ import time
 from typing import Any, Callable, Optional
 
 from ._units import format_bytes, format_table
-from .loop import Attempt
 from .backends import level_field
 from .config import memory_limit
+from .loop import Attempt
 from .monitor import MemoryMonitor
 from .retry import oom_retry
 from .scope import MemoryScope, memory_scope

@@ -26,14 +26,14 @@ import math
 import weakref
 from typing import Any, Callable, Literal, Optional, ParamSpec, Protocol, TypeVar
 
-from ._checks import optional_positive_int
+from ._checks import optional_positive_int, renamed
 from ._decorate import function_kind, name_of, with_statistics
 from ._slices import Plan, plan_batch
-from .loop import Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
 from .backends import torch_distributed, torch_training as training
 from .cleanup import free_memory
 from .distributed import Sync
 from .errors import OutOfMemoryError
+from .loop import Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
 
 log = logging.getLogger("memguard")
 P = ParamSpec("P")
@@ -246,6 +246,7 @@ class _Step(Loop):
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
+@renamed(min_size="min_batch_size")
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
                     on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",

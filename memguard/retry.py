@@ -12,11 +12,11 @@ import os
 from typing import Any, Callable, Optional, Protocol, TypeVar, Union, overload
 
 from ._decorate import function_kind, name_of, with_statistics
-from .loop import Attempt, Factor, GuardState, Loop, Policy
 from .backends import torch_state
 from .backends.budget import available as budget_available
 from .distributed import Sync
 from .history import dump, start_recording, stop_recording
+from .loop import Attempt, Factor, GuardState, Loop, Policy
 from .sizes import SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")

@@ -14,7 +14,7 @@ import time
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, overload
 
-from ._checks import deprecated, flag, positive_int
+from ._checks import flag, positive_int, renamed
 from ._decorate import function_kind, guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
@@ -476,9 +476,10 @@ class _Call:
         return over
 
 
+@renamed(policy="cleanup")
 def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
                  max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False, policy: Optional[Cleanup] = None) -> Any:
+                 track_tensors: bool = False) -> Any:
     """Clean up after every call (or every ``every``-th call) of the decorated function.
 
     Works as ``@frees_memory`` and ``@frees_memory(...)`` on functions, methods,
@@ -488,7 +489,7 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     and collects garbage or empties caches only when the call left memory above its entry
     level, backing off from work that keeps proving useless; ``"always"`` collects and empties
     every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
-    alone). ``policy=`` is the older name of ``cleanup=`` (deprecated). ``max_leak`` raises
+    alone). ``max_leak`` raises
     :class:`MemoryLeakError` when a device kept more over the call's own run (with
     ``every > 1``, checked on the calls that clean up), on what the allocators hand out
     (``allocated``; glibc's in-use bytes on the host), never on the resident set; before
@@ -516,9 +517,6 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     6
     """
     positive_int(every, "every", who="frees_memory")
-    if policy is not None:
-        deprecated(f"frees_memory: policy= is deprecated; write cleanup={policy!r}")
-        cleanup = policy
     mode = cleanup_mode(cleanup, "frees_memory")
     positive_int(warmup, "warmup", minimum=0, who="frees_memory",
                  hint=" (the calls not judged for max_leak)")

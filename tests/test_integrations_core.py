@@ -8,7 +8,7 @@ import pytest
 
 import memguard.cleanup
 from memguard.integrations._core import TRAIN, VAL, CallbackBase, Tracker, check_options
-from memguard.retry import error_text
+from memguard.loop import error_text
 
 
 @pytest.fixture

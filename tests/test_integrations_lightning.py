@@ -115,7 +115,7 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
 
 def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(monkeypatch):
     import memguard.cleanup
-    from memguard.retry import error_text
+    from memguard.loop import error_text
 
     settled = []
     real = memguard.cleanup.Settler

@@ -283,7 +283,8 @@ def test_find_batch_size_stops_after_max_attempts(caplog):
     assert sizes == [1 << i for i in range(25)]
     assert "max_attempts=25" in caplog.text
     sizes.clear()
-    assert memguard.find_batch_size(step, margin=0.0, start=3, max_attempts=5) == 48 and len(sizes) == 5
+    assert memguard.find_batch_size(step, margin=0.0, start=3, max_attempts=5) == 48
+    assert len(sizes) == 5
     sizes.clear()
     assert memguard.find_batch_size(step, margin=0.0, start=3, max_batch_size=20) == 20
     assert sizes == [3, 6, 12, 20]

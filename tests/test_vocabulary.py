@@ -38,17 +38,20 @@ def test_every_guard_refuses_the_same_wrong_cleanup_values(guard, value):
 
 @pytest.mark.parametrize("guard", sorted(GUARDS))
 @pytest.mark.parametrize("old, new", [(True, "auto"), (False, "never")])
-def test_the_older_boolean_spelling_warns_and_still_works(guard, old, new):
-    with pytest.warns(DeprecationWarning, match=f"cleanup={old} is deprecated; write "
-                                                f"cleanup='{new}'") as caught:
+def test_the_older_boolean_spelling_is_refused_naming_the_word_to_write(guard, old, new):
+    with pytest.raises(ValueError, match=f"got {old} \\(write cleanup='{new}'\\)"):
         GUARDS[guard](old)
-    assert caught[0].filename == __file__  # the warning points at the caller's line
 
 
-def test_frees_memory_policy_is_the_older_name_of_cleanup():
-    with pytest.warns(DeprecationWarning, match="policy= is deprecated; write cleanup='always'"):
-        step = memguard.frees_memory(policy="always")(lambda: bytearray(MiB))
-    assert len(step()) == MiB
+@pytest.mark.parametrize(("call", "old", "new"), [
+    (lambda: memguard.frees_memory(policy="always"), "policy", "cleanup"),
+    (lambda: memguard.auto_microbatch(object(), min_size=2), "min_size", "min_batch_size"),
+    (lambda: memguard.find_batch_size(len, max_trials=3), "max_trials", "max_attempts"),
+])
+def test_renamed_arguments_are_refused_naming_the_new_name(call, old, new):
+    with pytest.raises(TypeError, match=f"keyword argument {old}, which is now {new}: write "
+                                        f"{new}="):
+        call()
 
 
 def test_cleanup_never_measures_without_cleaning_in_every_guard():

@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 from .._checks import flag, optional_positive_int
 from .._units import Size, parse_optional_size
-from ..loop import Attempt, error_text, memory_summary
 from ..backends import Backend, resolve_devices
 from ..cleanup import Cleanup, cleanup_mode
 from ..errors import MemoryLeakError, is_oom_error
+from ..loop import Attempt, error_text, memory_summary
 from ..scope import MemoryScope, memory_scope
 from ..snapshot import MemorySnapshot, snapshot
 
