@@ -9,7 +9,31 @@ from ._units import binary_unit
 
 
 class MemguardError(Exception):
-    """Base class of the errors memguard raises itself."""
+    """Base class of the errors memguard raises itself.
+
+    Every one pickles and deep-copies with its message and fields (``retained``,
+    ``attempts``, notes...), whatever its ``__init__`` takes, so that one raised in a worker
+    process reaches the parent as itself; ``__cause__`` and the traceback stay behind, as for
+    every pickled exception.
+
+    >>> import pickle
+    >>> err = pickle.loads(pickle.dumps(MemoryLeakError("kept 2 MiB", {"host": 2 << 20}, 1)))
+    >>> type(err).__name__, err.retained, err.limit
+    ('MemoryLeakError', {'host': 2097152}, 1)
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without calling __init__ (whose parameters are not ``args``): the message
+        # as ``args``, then the attributes.
+        return _rebuilt, (type(self), self.args), self.__dict__ or None
+
+
+def _rebuilt(cls: type[MemguardError], args: tuple[Any, ...]) -> MemguardError:
+    """An error of class ``cls`` with ``args``, made without its ``__init__`` (unpickling)."""
+    try:  # BaseException's own __new__: MemoryError's refuses a class that also derives others
+        return BaseException.__new__(cls, *args)
+    except TypeError:  # a subclass that also derives from an exception of another layout
+        return cls.__new__(cls, *args)  # (OSError, say) is made by that one's __new__
 
 
 class MemoryLeakError(MemguardError):
