@@ -101,8 +101,25 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
 )
 # Not here: oneDNN's "could not create a primitive" is thrown for any failed status (the
 # out-of-memory status is dropped from the message), so memory cannot be told from it.
-# A RESOURCE_EXHAUSTED about these is not about memory.
-NOT_MEMORY = ("No space left on device", "disk", "Disk", "quota", "Quota")
+# A RESOURCE_EXHAUSTED about these is not about memory: the error's own words, whole
+# (disk, disks, quota, quotas; any case), once the names in its text are set aside.
+NOT_MEMORY = ("No space left on device", "disk", "quota")
+_NOT_MEMORY = re.compile("|".join(rf"\b{re.escape(words)}s?\b" for words in NOT_MEMORY),
+                         re.IGNORECASE)
+# The names a message quotes, which are not its words: a path (anything with a slash or a
+# backslash), a file name (name.ext), <...> (torch's file names), '...', "..." and `...`
+# (an apostrophe inside a word, as in "can't", opens none), TensorFlow's {{node ...}}.
+_NAMES = re.compile(r"<[^<>\n]*>|\{\{[^{}\n]*\}\}|(?<!\w)'[^'\n]*'(?!\w)|\"[^\"\n]*\"|`[^`\n]*`"
+                    r"|\S*[/\\]\S*|\b[\w-]+(?:\.[\w-]+)*\.[A-Za-z][\w-]*\b")
+
+
+def _own_words(text: str) -> str:
+    """``text`` without the names it quotes (paths, file names, quoted and node names).
+
+    >>> _own_words("unable to mmap 64 bytes from file </mnt/disk1/x.bin>: Cannot allocate")
+    'unable to mmap 64 bytes from file : Cannot allocate'
+    """
+    return _NAMES.sub("", text)
 _MESSAGE_CLASSES = ("RuntimeError", "ResourceExhaustedError", "XlaRuntimeError")
 # A DataLoader worker's error, re-raised in the main process as "Caught RuntimeError in
 # DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n" + the worker's
@@ -176,7 +193,7 @@ def _own_kind(exc: BaseException) -> str | None:
     worker = _WORKER.match(text)
     if worker:
         text = _FRAME.split(text)[-1]
-    if any(word in text for word in NOT_MEMORY):
+    if _NOT_MEMORY.search(_own_words(text)):
         return None
     for kind, needle in OOM_MESSAGES:
         if needle in text:
@@ -192,7 +209,9 @@ def is_oom_error(exc: Any) -> bool:
     ``NOT_SUPPORTED`` error a full GPU produces and a torch memory mapping that failed with
     ``ENOMEM`` ("unable to mmap ... Cannot allocate memory (12)"); a DataLoader worker's
     error re-raised in the main process when the worker's own error is one of these;
-    TensorFlow's ``ResourceExhaustedError`` about memory (not about disk space or a quota);
+    TensorFlow's ``ResourceExhaustedError`` about memory (not about disk space or a quota,
+    as the error's own words say: a path, file name or quoted name in the message that holds
+    "disk" or "quota", such as ``</mnt/disk1/shard.bin>``, does not count);
     ``MemoryError`` (so also numpy's and :class:`OutOfMemoryError`).
 
     Chains: an exception raised *from* one of these (``raise LoaderError(...) from oom``,
