@@ -106,11 +106,20 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
 NOT_MEMORY = ("No space left on device", "disk", "quota")
 _NOT_MEMORY = re.compile("|".join(rf"\b{re.escape(words)}s?\b" for words in NOT_MEMORY),
                          re.IGNORECASE)
-# The names a message quotes, which are not its words: a path (anything with a slash or a
-# backslash), a file name (name.ext), <...> (torch's file names), '...', "..." and `...`
-# (an apostrophe inside a word, as in "can't", opens none), TensorFlow's {{node ...}}.
-_NAMES = re.compile(r"<[^<>\n]*>|\{\{[^{}\n]*\}\}|(?<!\w)'[^'\n]*'(?!\w)|\"[^\"\n]*\"|`[^`\n]*`"
-                    r"|\S*[/\\]\S*|\b[\w-]+(?:\.[\w-]+)*\.[A-Za-z][\w-]*\b")
+# The names a message quotes, which are not its words: <...> (torch's file names), '...',
+# "..." and `...` (an apostrophe inside a word, as in "can't", opens none), TensorFlow's
+# {{node ...}}; then, word by word, paths (a slash or a backslash) and file names (name.ext).
+# Negated classes only: linear in the length of the message, however it is made.
+_QUOTED = re.compile(r"<[^<>\n]*>|\{\{[^{}\n]*\}\}|(?<!\w)'[^'\n]*'(?!\w)|\"[^\"\n]*\"|`[^`\n]*`")
+_TOKEN = re.compile(r"\S+")
+_DOTTED = re.compile(r"[\w-]+(?:\.[\w-]+)+")
+
+
+def _is_name(token: str) -> bool:
+    if "/" in token or "\\" in token:
+        return True
+    core = token.strip("()[]{}<>,;:!?'\"`")
+    return _DOTTED.fullmatch(core) is not None and core.rpartition(".")[2][:1].isalpha()
 
 
 def _own_words(text: str) -> str:
@@ -119,7 +128,10 @@ def _own_words(text: str) -> str:
     >>> _own_words("unable to mmap 64 bytes from file </mnt/disk1/x.bin>: Cannot allocate")
     'unable to mmap 64 bytes from file : Cannot allocate'
     """
-    return _NAMES.sub("", text)
+    text = _QUOTED.sub("", text)
+    return _TOKEN.sub(lambda word: "" if _is_name(word.group()) else word.group(), text)
+
+
 _MESSAGE_CLASSES = ("RuntimeError", "ResourceExhaustedError", "XlaRuntimeError")
 # A DataLoader worker's error, re-raised in the main process as "Caught RuntimeError in
 # DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n" + the worker's

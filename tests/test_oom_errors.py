@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -214,3 +216,13 @@ def test_a_real_mapping_failure_under_a_disk_path_is_recognised(python_in_subpro
     message, recognised, kind = out
     assert "unable to mmap 268435456 bytes" in message and "/disk1/quota/" in message, message
     assert recognised and kind == "torch memory mapping", message
+
+
+@pytest.mark.parametrize("text", ["a" * 20000, "<" * 20000, "1." * 10000 + "!",
+                                  "a-" * 10000, " 'a" * 7000, ' "x' * 7000],
+                         ids=["letters", "brackets", "dots", "dashes", "quotes", "double-quotes"])
+def test_a_long_message_is_judged_in_linear_time(text):
+    message = "DefaultCPUAllocator: can't allocate memory " + text
+    started = time.perf_counter()
+    assert memguard.is_oom_error(RuntimeError(message))
+    assert time.perf_counter() - started < 0.5  # about 5 ms; quadratic rules take seconds
