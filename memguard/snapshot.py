@@ -52,7 +52,7 @@ class MemorySnapshot:
     def __reduce__(self) -> tuple[Any, ...]:
         # The read-only mappings are rebuilt from plain dicts: a snapshot pickles and
         # deep-copies (an out-of-memory's attempts carry them across processes).
-        return (MemorySnapshot,
+        return (type(self),
                 (dict(self.devices), self.time, self.delta, dict(self.budgets)))
 
     def __getitem__(self, device: str) -> DeviceMemory:

@@ -81,3 +81,15 @@ def test_a_snapshot_lists_its_budgets_once_each():
     assert lines, "the host always has a budget (physical memory at least)"
     for line in lines:
         assert repeated(line) == [], line
+
+
+@pytest.mark.gpu
+def test_a_cuda_budget_reads_once():
+    import torch
+
+    torch.ones(1, device="cuda")
+    found = budget("cuda:0")
+    assert found is not None and found.kind in ("CUDA device", "CUDA memory fraction")
+    assert repeated(found.short()) == [] and repeated(str(found)) == []
+    if found.kind == "CUDA device":
+        assert found.short().endswith(" device memory"), found.short()
