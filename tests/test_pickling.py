@@ -153,6 +153,7 @@ def test_a_subclass_with_its_own_signature_still_pickles():
         del globals()["Tagged"], globals()["FileGone"]
 
 
+@pytest.mark.slow
 def test_lightning_callback_after_a_fit_pickles_and_copies():
     pl = pytest.importorskip("pytorch_lightning")
     from memguard.integrations.lightning import MemguardCallback
