@@ -280,7 +280,8 @@ class MemoryScope:
         if self.after is None:
             return f"{self._title()} ({'open' if self._active else 'not entered'})"
         parts = []
-        for d in self.retained:  # every device measured, in order (also in a copy)
+        # The devices measured, in order: from the backends here, from the results in a copy.
+        for d in [d for _, d in self._pairs] or list(self.retained):
             change = self.reserved_growth.get(d)
             beside = ("" if change is None else
                       f" ({_reserved_words(d)} {format_bytes(change, signed=True)})")
