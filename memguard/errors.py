@@ -9,7 +9,31 @@ from ._units import binary_unit
 
 
 class MemguardError(Exception):
-    """Base class of the errors memguard raises itself."""
+    """Base class of the errors memguard raises itself.
+
+    Every one pickles and deep-copies with its message and fields (``retained``,
+    ``attempts``, notes...), whatever its ``__init__`` takes, so that one raised in a worker
+    process reaches the parent as itself; ``__cause__`` and the traceback stay behind, as for
+    every pickled exception.
+
+    >>> import pickle
+    >>> err = pickle.loads(pickle.dumps(MemoryLeakError("kept 2 MiB", {"host": 2 << 20}, 1)))
+    >>> type(err).__name__, err.retained, err.limit
+    ('MemoryLeakError', {'host': 2097152}, 1)
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt without calling __init__ (whose parameters are not ``args``): the message
+        # as ``args``, then the attributes.
+        return _rebuilt, (type(self), self.args), self.__dict__ or None
+
+
+def _rebuilt(cls: type[MemguardError], args: tuple[Any, ...]) -> MemguardError:
+    """An error of class ``cls`` with ``args``, made without its ``__init__`` (unpickling)."""
+    try:  # BaseException's own __new__: MemoryError's refuses a class that also derives others
+        return BaseException.__new__(cls, *args)
+    except TypeError:  # a subclass that also derives from an exception of another layout
+        return cls.__new__(cls, *args)  # (OSError, say) is made by that one's __new__
 
 
 class MemoryLeakError(MemguardError):
@@ -77,8 +101,37 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
 )
 # Not here: oneDNN's "could not create a primitive" is thrown for any failed status (the
 # out-of-memory status is dropped from the message), so memory cannot be told from it.
-# A RESOURCE_EXHAUSTED about these is not about memory.
-NOT_MEMORY = ("No space left on device", "disk", "Disk", "quota", "Quota")
+# A RESOURCE_EXHAUSTED about these is not about memory: the error's own words, whole
+# (disk, disks, quota, quotas; any case), once the names in its text are set aside.
+NOT_MEMORY = ("No space left on device", "disk", "quota")
+_NOT_MEMORY = re.compile("|".join(rf"\b{re.escape(words)}s?\b" for words in NOT_MEMORY),
+                         re.IGNORECASE)
+# The names a message quotes, which are not its words: <...> (torch's file names), '...',
+# "..." and `...` (an apostrophe inside a word, as in "can't", opens none), TensorFlow's
+# {{node ...}}; then, word by word, paths (a slash or a backslash) and file names (name.ext).
+# Negated classes only: linear in the length of the message, however it is made.
+_QUOTED = re.compile(r"<[^<>\n]*>|\{\{[^{}\n]*\}\}|(?<!\w)'[^'\n]*'(?!\w)|\"[^\"\n]*\"|`[^`\n]*`")
+_TOKEN = re.compile(r"\S+")
+_DOTTED = re.compile(r"[\w-]+(?:\.[\w-]+)+")
+
+
+def _is_name(token: str) -> bool:
+    if "/" in token or "\\" in token:
+        return True
+    core = token.strip("()[]{}<>,;:!?'\"`")
+    return _DOTTED.fullmatch(core) is not None and core.rpartition(".")[2][:1].isalpha()
+
+
+def _own_words(text: str) -> str:
+    """``text`` without the names it quotes (paths, file names, quoted and node names).
+
+    >>> _own_words("unable to mmap 64 bytes from file </mnt/disk1/x.bin>: Cannot allocate")
+    'unable to mmap 64 bytes from file : Cannot allocate'
+    """
+    text = _QUOTED.sub("", text)
+    return _TOKEN.sub(lambda word: "" if _is_name(word.group()) else word.group(), text)
+
+
 _MESSAGE_CLASSES = ("RuntimeError", "ResourceExhaustedError", "XlaRuntimeError")
 # A DataLoader worker's error, re-raised in the main process as "Caught RuntimeError in
 # DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n" + the worker's
@@ -152,7 +205,7 @@ def _own_kind(exc: BaseException) -> str | None:
     worker = _WORKER.match(text)
     if worker:
         text = _FRAME.split(text)[-1]
-    if any(word in text for word in NOT_MEMORY):
+    if _NOT_MEMORY.search(_own_words(text)):
         return None
     for kind, needle in OOM_MESSAGES:
         if needle in text:
@@ -168,7 +221,9 @@ def is_oom_error(exc: Any) -> bool:
     ``NOT_SUPPORTED`` error a full GPU produces and a torch memory mapping that failed with
     ``ENOMEM`` ("unable to mmap ... Cannot allocate memory (12)"); a DataLoader worker's
     error re-raised in the main process when the worker's own error is one of these;
-    TensorFlow's ``ResourceExhaustedError`` about memory (not about disk space or a quota);
+    TensorFlow's ``ResourceExhaustedError`` about memory (not about disk space or a quota,
+    as the error's own words say: a path, file name or quoted name in the message that holds
+    "disk" or "quota", such as ``</mnt/disk1/shard.bin>``, does not count);
     ``MemoryError`` (so also numpy's and :class:`OutOfMemoryError`).
 
     Chains: an exception raised *from* one of these (``raise LoaderError(...) from oom``,

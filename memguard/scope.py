@@ -117,7 +117,8 @@ class MemoryScope:
     bytes on the host, mmapped blocks included), so neither an untrimmed heap nor allocator
     churn moves it; ``reserved_growth`` is the change of ``reserved`` beside it (the resident
     set on the host, the allocator's cache on a GPU). On the host ``peak`` is the resident
-    set's high-water mark.
+    set's high-water mark. A closed (or unused) scope pickles and deep-copies with its
+    results; an open one raises ``TypeError``.
 
     >>> import memguard
     >>> scope = memguard.memory_scope("epoch", cleanup="never")
@@ -279,7 +280,8 @@ class MemoryScope:
         if self.after is None:
             return f"{self._title()} ({'open' if self._active else 'not entered'})"
         parts = []
-        for _, d in self._pairs:
+        # The devices measured, in order: from the backends here, from the results in a copy.
+        for d in [d for _, d in self._pairs] or list(self.retained):
             change = self.reserved_growth.get(d)
             beside = ("" if change is None else
                       f" ({_reserved_words(d)} {format_bytes(change, signed=True)})")
@@ -291,6 +293,16 @@ class MemoryScope:
 
     def __repr__(self) -> str:
         return f"<MemoryScope {self}>"
+
+    # -- pickling ------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The results and options, without the backends (this process's readers): a closed
+        or unused scope pickles and deep-copies; an open one is refused."""
+        if self._active:
+            raise TypeError(f"{self._title()} is open: a scope cannot be pickled or copied "
+                            f"while it measures; close it first (leave its with block, or "
+                            f"call close())")
+        return dict(self.__dict__, _pairs=[], _tensors_before={})
 
 
 @overload

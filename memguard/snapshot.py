@@ -29,7 +29,8 @@ class MemorySnapshot:
     reserved-but-unused memory), with its limit, what of it is used and what is available.
     ``snap["host"]`` reads one device, ``later - earlier`` gives a delta of the same shape
     (devices present in both; no budgets), and ``str(snap)`` an aligned table followed by
-    one line per budget.
+    one line per budget. Snapshots pickle and deep-copy (equal to the original), so they
+    cross process boundaries inside results and errors.
 
     >>> import memguard
     >>> before = memguard.snapshot()
@@ -47,6 +48,12 @@ class MemorySnapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", types.MappingProxyType(dict(self.devices)))
         object.__setattr__(self, "budgets", types.MappingProxyType(dict(self.budgets)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The read-only mappings are rebuilt from plain dicts: a snapshot pickles and
+        # deep-copies (an out-of-memory's attempts carry them across processes).
+        return (type(self),
+                (dict(self.devices), self.time, self.delta, dict(self.budgets)))
 
     def __getitem__(self, device: str) -> DeviceMemory:
         try:

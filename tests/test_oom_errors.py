@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -152,3 +154,75 @@ def test_tensorflow_resource_exhausted_about_disk_is_not_memory(python_in_subpro
         )]))
     """)
     assert out == [True, True, True, False, False, False]
+
+
+# Out-of-memory errors whose text names a path or a quoted name holding "disk" or "quota":
+# the words of a name are not the error's kind.
+NAMED_OOMS = [
+    ("torch memory mapping", ("unable to mmap 67108864 bytes from file "
+                             "</mnt/disk1/cache/shard.bin>: Cannot allocate memory (12)")),
+    ("torch memory mapping", ("unable to mmap 67108864 bytes from file "
+                             "</data/disk/quota/shard.bin>: Cannot allocate memory (12)")),
+    ("torch CPU allocator", TORCH_CPU + " while reading 'Disk cache.pt'"),
+    ("torch CPU allocator", TORCH_CPU + ' (loading "quota table")'),
+    ("torch CPU allocator", TORCH_CPU + " at C:\\Disk\\data\\x.bin"),
+    ("torch CPU allocator", TORCH_CPU + " reading disk.bin"),
+    ("TensorFlow allocator", ("OOM when allocating tensor with shape[1024,1024] on GPU:0 by "
+                              "allocator GPU_0_bfc [[{{node disk_reader/MatMul}}]]")),
+    ("TensorFlow allocator", ("OOM when allocating tensor with shape[4096] [[{{node "
+                              "quota}}]] [Op:MatMul]")),
+]
+# What is about disk space or a quota stays refused, in the error's own words, names or not.
+NOT_MEMORY_TEXTS = [
+    "/tmp/ckpt; No space left on device",
+    "Disk quota exceeded writing summary",
+    "Quota exceeded for requests",
+    "failed to allocate memory: disk full on </mnt/scratch>",
+    "OOM when allocating the quota of '/mnt/disk1'",
+    "DefaultCPUAllocator: can't allocate memory: Disk quota exceeded (file 'x')",
+    "failed to allocate memory: the disks are full",
+]
+
+
+@pytest.mark.parametrize("kind, message", NAMED_OOMS,
+                         ids=[f"{k}-{i}" for i, (k, _) in enumerate(NAMED_OOMS)])
+def test_disk_or_quota_in_a_name_does_not_hide_an_out_of_memory(kind, message):
+    assert memguard.is_oom_error(RuntimeError(message)), message
+    assert oom_kind(RuntimeError(message)) == kind
+
+
+@pytest.mark.parametrize("message", NOT_MEMORY_TEXTS)
+def test_disk_and_quota_in_the_errors_own_words_are_not_memory(message):
+    assert not memguard.is_oom_error(RuntimeError(message)), message
+
+
+@pytest.mark.slow
+def test_a_real_mapping_failure_under_a_disk_path_is_recognised(python_in_subprocess, tmp_path):
+    folder = tmp_path / "mnt" / "disk1" / "quota"
+    folder.mkdir(parents=True)
+    out = python_in_subprocess(script(f"""
+        import torch, memguard
+        path = {str(folder / "shard.bin")!r}
+        open(path, "wb").truncate(256 * 2**20)
+        set_budget(64)
+        try:
+            torch.from_file(path, shared=True, size=64 * 2**20)
+            found = None
+        except RuntimeError as exc:
+            found = [str(exc), memguard.is_oom_error(exc), memguard.errors.oom_kind(exc)]
+        print(json.dumps(found))
+    """), env=ENV, timeout=120)
+    assert out is not None, "the mapping fitted: the budget was not in force"
+    message, recognised, kind = out
+    assert "unable to mmap 268435456 bytes" in message and "/disk1/quota/" in message, message
+    assert recognised and kind == "torch memory mapping", message
+
+
+@pytest.mark.parametrize("text", ["a" * 20000, "<" * 20000, "1." * 10000 + "!",
+                                  "a-" * 10000, " 'a" * 7000, ' "x' * 7000],
+                         ids=["letters", "brackets", "dots", "dashes", "quotes", "double-quotes"])
+def test_a_long_message_is_judged_in_linear_time(text):
+    message = "DefaultCPUAllocator: can't allocate memory " + text
+    started = time.perf_counter()
+    assert memguard.is_oom_error(RuntimeError(message))
+    assert time.perf_counter() - started < 0.5  # about 5 ms; quadratic rules take seconds

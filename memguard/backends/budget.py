@@ -21,6 +21,9 @@ from .host import address_space_budget, cgroup_memory_budget
 MEASURES = {"memory_limit": "address space", "RLIMIT_AS": "address space",
             "cgroup memory.max": "cgroup memory", "physical memory": "physical memory",
             "CUDA memory fraction": "allocator memory", "CUDA device": "device memory"}
+# The kinds that are a device's whole memory rather than a limit set on it: "995.0 MiB of
+# 23.5 GiB physical memory", not "of the 23.5 GiB physical memory".
+WHOLE = ("physical memory", "CUDA device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +33,13 @@ class Budget:
     ``"CUDA device"``), its ``limit`` and what of it is ``used``, in bytes; ``available`` is
     what is left.
 
+    Each kind reads once in messages: what it counts is added where its name does not say
+    it already.
+
     >>> str(Budget("host", "memory_limit", 60 * 2**20, 42 * 2**20))
     'host: memory_limit 60.0 MiB (address space), 42.0 MiB used, 18.0 MiB available'
+    >>> str(Budget("host", "physical memory", 8 * 2**30, 2**30))
+    'host: physical memory 8.0 GiB, 1.0 GiB used, 7.0 GiB available'
     """
 
     device: str
@@ -53,13 +61,30 @@ class Budget:
         """The fields and ``available``, JSON-ready."""
         return dict(dataclasses.asdict(self), available=self.available, measure=self.measure)
 
+    def _counts(self) -> str:
+        """`` (address space)``: what the limit counts, where the kind's name does not say
+        it (``""`` for ``physical memory``, ``cgroup memory.max`` and unknown kinds)."""
+        known = self.kind in MEASURES and self.measure not in self.kind
+        return f" ({self.measure})" if known else ""
+
     def short(self) -> str:
-        """``"42.0 MiB of the 60.0 MiB memory_limit (address space)"``."""
-        return (f"{format_bytes(self.used)} of the {format_bytes(self.limit)} {self.kind} "
-                f"({self.measure})")
+        """What of the budget is used, for a message: ``"42.0 MiB of the 60.0 MiB
+        memory_limit (address space)"``, ``"995.0 MiB of 23.5 GiB physical memory"``,
+        ``"30.1 GiB of 31.7 GiB device memory"``.
+
+        Returns:
+            The used bytes, the limit and what it is, each said once.
+
+        >>> Budget("host", "cgroup memory.max", 2**31, 2**30).short()
+        '1.0 GiB of the 2.0 GiB cgroup memory.max'
+        """
+        used, limit = format_bytes(self.used), format_bytes(self.limit)
+        if self.kind in WHOLE:
+            return f"{used} of {limit} {self.measure}"
+        return f"{used} of the {limit} {self.kind}{self._counts()}"
 
     def __str__(self) -> str:
-        return (f"{self.device}: {self.kind} {format_bytes(self.limit)} ({self.measure}), "
+        return (f"{self.device}: {self.kind} {format_bytes(self.limit)}{self._counts()}, "
                 f"{format_bytes(self.used)} used, {format_bytes(self.available)} available")
 
 

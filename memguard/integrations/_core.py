@@ -68,6 +68,11 @@ class Tracker:
         self._failed = False  # a failure logged since the last begin of a run
         self._pairs: list[tuple[Backend, str]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Options, finished scopes and failures; not this process's backends (read again on
+        use) nor a scope still open (a copy starts with no run open)."""
+        return dict(self.__dict__, _pairs=[], open={})
+
     # -- scopes --------------------------------------------------------------------------------
     def begin(self, kind: str) -> None:
         """Open the scope of a training epoch or a validation run."""
@@ -193,7 +198,8 @@ class Tracker:
 
 class CallbackBase:
     """What the three ``MemguardCallback`` classes share: their parameters, their
-    :class:`Tracker`, ``scopes``, ``failures`` and ``on_retry``. Listed before the framework's
+    :class:`Tracker`, ``scopes``, ``failures`` and ``on_retry``, and pickling (a copy keeps
+    the finished scopes and failures, not the framework's objects). Listed before the framework's
     callback class, which stays a base (``class MemguardCallback(CallbackBase,
     keras.callbacks.Callback)``); ``_framework`` names the framework in the log, and
     ``_init_state`` sets a subclass's own attributes.
@@ -205,6 +211,10 @@ class CallbackBase:
     """
 
     _framework = "memguard"
+    #: The framework's objects of the current run that the framework links to the callback
+    #: (the trainer, the model): a pickled or copied callback leaves them out (``None``) and
+    #: the framework links them again on the next run.
+    _run_links: tuple[str, ...] = ()
 
     def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
                  cleanup: Cleanup = "auto",
@@ -216,6 +226,14 @@ class CallbackBase:
 
     def _init_state(self) -> None:
         """Set the subclass's own attributes (nothing here)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Options, finished scopes and failures, without the run's links (``_run_links``):
+        a callback pickles and deep-copies after a run, its copy ready for a run of its
+        own."""
+        state = dict(self.__dict__)
+        state.update({name: None for name in self._run_links if name in state})
+        return state
 
     @property
     def scopes(self) -> list[MemoryScope]:

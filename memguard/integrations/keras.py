@@ -47,6 +47,7 @@ class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
     """
 
     _framework = "keras"
+    _run_links = ("_model",)  # set by Keras at fit
 
     def _init_state(self) -> None:
         self._steps = 0

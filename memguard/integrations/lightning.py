@@ -47,6 +47,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     """
 
     _framework = "lightning"
+    _run_links = ("log", "log_dict")  # the LightningModule's, attached by Lightning at fit
 
     # -- Lightning's hooks ---------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

@@ -51,6 +51,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     """
 
     _framework = "transformers"
+    _run_links = ("_trainer",)  # a weak reference, found again at the next train
 
     def _init_state(self) -> None:
         self._trainer: Optional[weakref.ReferenceType] = None
