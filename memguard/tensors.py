@@ -173,7 +173,7 @@ class TensorInfo:
 
     def _find_holders(self, known: dict[int, list[str]]) -> None:
         """Walk once for this tensor and the ones its census ranked after it (the first
-        ``HOLDER_BATCH`` for any of them, then twice as many at each further walk), and the
+        ``HOLDER_BATCH`` for any of them, then four times as many at each further walk), and the
         roots of the graphs that saved them."""
         wanted = self._batch(known)
         saved, roots = self._cache.get("saved", {}), self._cache.get("roots", {})
@@ -199,7 +199,7 @@ class TensorInfo:
 
     def _batch(self, known: dict[int, list[str]]) -> list[tuple[int, Any]]:
         """``(id, weak reference)`` of the tensors to walk for: this one and the next ones of
-        its census not walked yet, ``HOLDER_BATCH`` at the first walk, twice as many at each
+        its census not walked yet, ``HOLDER_BATCH`` at the first walk, four times as many at each
         next one (at most ``HOLDER_BATCH_MAX``)."""
         cache = self._cache
         rows: list[TensorRow] = cache.get("rows", [])
@@ -211,7 +211,7 @@ class TensorInfo:
             return [(self.id, self._ref)]
         walks = cache.get("walks", 0)
         cache["walks"] = walks + 1
-        size = min(HOLDER_BATCH << walks, HOLDER_BATCH_MAX)
+        size = min(HOLDER_BATCH << (2 * walks), HOLDER_BATCH_MAX)
         first = 0 if start < HOLDER_BATCH else start
         wanted = [(self.id, self._ref)]
         for row in itertools.islice(rows, first, None):
@@ -504,9 +504,10 @@ class _Walk:
                 self.locals.setdefault(id(value), []).append(
                     f"frame {frame.f_code.co_name}() local '{name}'")
         self.indexed: dict[int, tuple[dict[int, int], Optional[list], int]] = {}
-        self.kept: list[Any] = []  # the indexed containers: alive while their ids are keys
+        self.delegations: dict[int, str] = {}
+        self.kept: list[Any] = []  # what the ids above name: alive while the walk runs
         self.own = {id(self), id(self.modules), id(self.stacks), id(self.locals),
-                    id(self.indexed), id(self.kept)}
+                    id(self.indexed), id(self.kept), id(self.delegations)}
         self.own.update(id(local_vars) for _, local_vars in self.stacks)
 
     def step(self, container: Any, obj: Any) -> Optional[tuple[str, Optional[str]]]:
@@ -536,6 +537,26 @@ class _Walk:
             return "{...}", None
         last = position == size - 1 and position > 0
         return ("[-1]" if last else f"[{position}]"), None
+
+    def delegation(self, suspended: Any) -> str:
+        """``generator epoch() yield from ``: what delegates to a suspended generator or
+        coroutine (``yield from``, ``await``), outermost first, and the word for what it is;
+        one pass of the collector a generator, once a walk."""
+        known = self.delegations.get(id(suspended))
+        if known is not None:
+            return known
+        words, inner = [], suspended
+        for _ in range(HOLDER_DEPTH):
+            outer = next((r for r in gc.get_referrers(inner) if type(r) in _SUSPENDED
+                          and getattr(r, _SUSPENDED[type(r)][2]) is inner), None)
+            if outer is None:
+                break
+            words.append(f"{outer.__qualname__}() {_SUSPENDED[type(outer)][3]} ")
+            inner = outer
+        kind = _SUSPENDED[type(inner)][0]
+        found = self.delegations[id(suspended)] = f"{kind} " + "".join(reversed(words))
+        self.kept.append(suspended)
+        return found
 
     def referrers(self, wanted: dict[int, Any], deadline: float) -> list[tuple[Any, Any]]:
         """``(referrer, object)`` for every referrer of the objects ``wanted`` maps by id: one
@@ -604,8 +625,22 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
 def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
                     max_paths: int = HOLDER_PATHS, seconds: float = HOLDER_SECONDS
                     ) -> list[list[str]]:
-    """:func:`find_holders` for several targets at once: each level of the walk costs one
-    pass of the collector over every tracked object, whatever the number of targets."""
+    """:func:`find_holders` for several targets at once, in one walk: each level costs one
+    pass over every tracked object (the collector's ``gc.get_referrers`` for up to
+    ``REFERRER_PASS`` objects, a pass looking ids up beyond), whatever the number of targets.
+
+    Args:
+        targets: the objects whose holders to find.
+        max_depth: the most steps from a root to a target.
+        max_paths: the most paths for each target, shortest first.
+        seconds: the time the whole walk may take.
+
+    Returns:
+        One list of paths for each target, in the order of ``targets``.
+
+    >>> find_holders_of([])
+    []
+    """
     return _walk(targets, max_depth, max_paths, seconds)[0]
 
 
@@ -658,7 +693,7 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
                     continue
                 seen[index].add(id(ref))
                 try:
-                    root = _root(ref, obj, suffix, as_attribute, walk.modules)
+                    root = _root(ref, obj, suffix, as_attribute, walk)
                     if root is not None:
                         add(index, root)
                         continue
@@ -686,7 +721,7 @@ def _share_holders(infos: list[TensorInfo],
     """Let ``infos`` (largest first) share one cache, so that asking any of the first
     ``HOLDER_BATCH`` for its holders finds the holders of all of them (and of the roots of
     the graphs that saved them) in one walk, and asking one further down finds those of the
-    next ones as well, twice as many each time (20, 40, ...). ``graphs`` is what the census
+    next ones as well, four times as many each time (40, 160, ...). ``graphs`` is what the census
     traced; without it, what the infos' own census traced is kept."""
     if graphs is None:
         graphs, caches = {}, {id(info._cache): info._cache for info in infos}  # noqa: SLF001 - this module's TensorInfo
@@ -767,7 +802,7 @@ def _running_frames() -> list[tuple[types.FrameType, dict]]:
 
 
 def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
-          modules: dict[int, str]) -> Optional[str]:
+          walk: _Walk) -> Optional[str]:
     """The path if ``ref`` is a root holding ``obj``; ``""`` for a referrer to skip; ``None``
     to keep walking through it. Types are read with ``type()``, never ``isinstance``: a
     program's proxy may answer ``__class__`` with anything, or raise."""
@@ -779,10 +814,10 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
             if value is obj:
                 return f"frame {ref.f_code.co_name}() local '{name}'{suffix}"
         return ""
-    if kind is dict and id(ref) in modules:
+    if kind is dict and id(ref) in walk.modules:
         for name, value in dict.items(ref):
             if value is obj:
-                return f"module {modules[id(ref)]}, global {name}{suffix}"
+                return f"module {walk.modules[id(ref)]}, global {name}{suffix}"
         return ""
     if kind is types.FunctionType:
         cells = ref.__closure__ or ()
@@ -796,7 +831,7 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
     if kind is types.CellType:
         return None if ref.cell_contents is obj else ""
     if kind in _SUSPENDED:
-        return _suspended_root(ref, obj, suffix)
+        return _suspended_root(ref, obj, suffix, walk)
     if _base(kind, _CONTAINERS) is not None:
         return None
     if issubclass(kind, type):
@@ -858,28 +893,17 @@ def _class_root(cls: type, obj: Any, suffix: str, as_attribute: Optional[str]) -
     return ""
 
 
-def _suspended_root(ref: Any, obj: Any, suffix: str) -> str:
+def _suspended_root(ref: Any, obj: Any, suffix: str, walk: _Walk) -> str:
     """``generator batches() local 'x'``: a local of a suspended generator, coroutine or
     async generator, named through the ones that delegate to it (``generator epoch() yield
     from batches() local 'x'``)."""
-    word, frame_name, _, _ = _SUSPENDED[type(ref)]
-    frame = getattr(ref, frame_name)
+    frame = getattr(ref, _SUSPENDED[type(ref)][1])
     if frame is None or _is_own_frame(frame):
         return ""
     name = next((key for key, value in frame.f_locals.items() if value is obj), None)
     if name is None:
         return ""
-    path = f"{ref.__qualname__}() local '{name}'{suffix}"
-    inner = ref
-    for _ in range(HOLDER_DEPTH):  # who delegates to it: yield from, await
-        outer = next((r for r in gc.get_referrers(inner) if type(r) in _SUSPENDED
-                      and getattr(r, _SUSPENDED[type(r)][2]) is inner), None)
-        if outer is None:
-            break
-        word = _SUSPENDED[type(outer)][0]
-        path = f"{outer.__qualname__}() {_SUSPENDED[type(outer)][3]} {path}"
-        inner = outer
-    return f"{word} {path}"
+    return f"{walk.delegation(ref)}{ref.__qualname__}() local '{name}'{suffix}"
 
 
 def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:

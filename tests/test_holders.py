@@ -190,3 +190,37 @@ def test_holder_is_a_local_of_a_generator_suspended_inside_another():
     next(GENERATORS[0])  # now suspended in numbers(), through yield from
     tensor = GENERATORS[0].gi_yieldfrom.gi_frame.f_locals["activations"]
     assert "generator delegating() yield from numbers() local 'activations'" in holders(tensor)
+
+
+# -- many holders, few walks ---------------------------------------------------------------------
+MANY: list = []
+
+
+def test_holders_down_a_census_come_in_few_walks_and_name_each_tensor():
+    MANY.extend(torch.ones(3000 + i) for i in range(60))  # the 60 largest, smallest last
+    try:
+        infos = memguard.live_tensors(min_bytes=12_000)[:60]
+        words = [info.held_by for info in infos]
+        expected = [f"held by module {__name__}, global MANY[{i}]" for i in range(58, -1, -1)]
+        assert words == [f"held by module {__name__}, global MANY[-1]", *expected]
+        assert infos[0]._cache["walks"] == 3  # the point: 10, then 40, then the last 10
+    finally:
+        MANY.clear()
+
+
+def test_a_pass_over_every_object_finds_what_the_collectors_referrers_find(monkeypatch):
+    from memguard import tensors
+
+    MANY.extend(torch.ones(5) for _ in range(100))  # longer than LARGE_CONTAINER: indexed
+    REGISTRY[Detached()] = torch.ones(7, 3)
+    QUEUE.append(torch.ones(7, 4))
+    targets = [MANY[0], MANY[-1], REGISTRY[next(iter(REGISTRY))], QUEUE[0]]
+    try:
+        by_referrers = tensors.find_holders_of(targets, seconds=20, max_paths=20)
+        monkeypatch.setattr(tensors, "REFERRER_PASS", 0)  # every level: one pass over all
+        by_pass = tensors.find_holders_of(targets, seconds=20, max_paths=20)
+    finally:
+        MANY.clear()
+    assert by_pass == by_referrers
+    assert f"module {__name__}, global MANY[-1]" in by_pass[1]
+    assert f"module {__name__}, global QUEUE[0]" in by_pass[3]
