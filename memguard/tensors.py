@@ -490,7 +490,8 @@ class _Walk:
 
     def __init__(self) -> None:
         self.modules: dict[int, str] = {}
-        for name, module in sorted(sys.modules.items(), key=lambda item: item[0] != "__main__"):
+        for name, module in sorted(sys.modules.copy().items(),  # copied at once: imports in threads
+                                   key=lambda item: item[0] != "__main__"):
             try:
                 namespace = object.__getattribute__(module, "__dict__")
             except (AttributeError, TypeError):

@@ -123,6 +123,24 @@ def test_a_referrer_whose_class_attribute_raises_is_passed_over():
     assert any(path.endswith("Proxy object .target") for path in found), found
 
 
+def test_a_census_leaves_out_a_tensor_subclass_that_raises_on_every_read():
+    class Unmaterialized(torch.Tensor):
+        """A program's subclass whose every read fails (a parameter not loaded yet)."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            raise KeyError("parameter not materialized")
+
+    odd = torch.ones(5).as_subclass(Unmaterialized)
+    plain = torch.ones(7, 11)
+    found = {info.id for info in memguard.live_tensors()}  # before: KeyError
+    assert id(plain) in found and id(odd) not in found
+    assert "[7, 11]" in memguard.memory_report(top=1000)
+    with memguard.memory_scope(track_tensors=True) as scope:
+        REGISTRY["made"] = torch.ones(7, 12)
+    assert [leak.shape for leak in scope.leaks] == [(7, 12)]
+
+
 # -- holders wherever Python keeps a tensor ------------------------------------------------------
 class Config:
     EMBEDDINGS = torch.ones(13, 2)
