@@ -506,9 +506,11 @@ class _Walk:
                     f"frame {frame.f_code.co_name}() local '{name}'")
         self.indexed: dict[int, tuple[dict[int, int], Optional[list], int]] = {}
         self.delegations: dict[int, str] = {}
+        self.slots: dict[int, list[tuple[str, Any]]] = {}
+        self.late = False  # a pass cut short by the deadline
         self.kept: list[Any] = []  # what the ids above name: alive while the walk runs
         self.own = {id(self), id(self.modules), id(self.stacks), id(self.locals),
-                    id(self.indexed), id(self.kept), id(self.delegations)}
+                    id(self.indexed), id(self.kept), id(self.delegations), id(self.slots)}
         self.own.update(id(local_vars) for _, local_vars in self.stacks)
 
     def step(self, container: Any, obj: Any) -> Optional[tuple[str, Optional[str]]]:
@@ -538,6 +540,18 @@ class _Walk:
             return "{...}", None
         last = position == size - 1 and position > 0
         return ("[-1]" if last else f"[{position}]"), None
+
+    def members(self, kind: type) -> list[tuple[str, Any]]:
+        """The slots' descriptors of a class and its bases, ``(name, descriptor)``; once a
+        walk for each class (a tensor's bases have hundreds of attributes)."""
+        found = self.slots.get(id(kind))
+        if found is None:
+            found = self.slots[id(kind)] = [
+                (str(name), member) for klass in kind.__mro__
+                for name, member in _CLASS_DICT.__get__(klass).items()
+                if type(member) is types.MemberDescriptorType]
+            self.kept.append(kind)
+        return found
 
     def delegation(self, suspended: Any) -> str:
         """``generator epoch() yield from ``: what delegates to a suspended generator or
@@ -579,6 +593,7 @@ class _Walk:
             if id(ref) in own:
                 continue
             if not count & 4095 and clock() > deadline:
+                self.late = True
                 break
             for child in referents(ref):
                 if id(child) in wanted:
@@ -710,7 +725,7 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
         pairs.clear()
         del pairs
         frontier = upcoming
-    return [sorted(found, key=len)[:max_paths] for found in paths], in_time
+    return [sorted(found, key=len)[:max_paths] for found in paths], in_time and not walk.late
 
 
 HOLDER_BATCH = 10
@@ -848,7 +863,7 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
         key = next((k for k, v in dict.items(attributes) if v is obj), None)
         attribute = None if key is None else f".{key}{suffix}"
     if attribute is None:
-        slot = _slot_holding(ref, obj)
+        slot = _slot_holding(ref, obj, walk)
         attribute = None if slot is None else f".{slot}{suffix}"
     if attribute is None:
         return ""
@@ -865,20 +880,17 @@ def _instance_dict(owner: Any) -> Optional[dict]:
         return None
 
 
-def _slot_holding(owner: Any, obj: Any) -> Optional[str]:
+def _slot_holding(owner: Any, obj: Any, walk: _Walk) -> Optional[str]:
     """The ``__slots__`` entry of ``owner`` that holds ``obj`` (a private one by its mangled
     name, ``_Model__cache``), read through the slots' descriptors."""
     kind = type(owner)
-    for klass in kind.__mro__:
-        for name, member in _CLASS_DICT.__get__(klass).items():
-            if type(member) is not types.MemberDescriptorType:
-                continue
-            try:
-                value = member.__get__(owner, kind)
-            except AttributeError:  # an empty slot
-                continue
-            if value is obj:
-                return str(name)
+    for name, member in walk.members(kind):
+        try:
+            value = member.__get__(owner, kind)
+        except AttributeError:  # an empty slot
+            continue
+        if value is obj:
+            return name
     return None
 
 
