@@ -62,4 +62,58 @@ def census(quick: bool) -> list[Result]:
     ]
 
 
-BENCHMARKS = [census]
+HOLDERS = """
+import collections, gc, json, time
+import torch, memguard
+from memguard.tensors import find_holders, live_tensors
+
+TENSORS = [torch.ones(4) for _ in range({tensors})]   # the many small ones
+BIG = [torch.ones(1000 + i) for i in range(10)]                    # module global list
+class Trainer:
+    def __init__(self):
+        self.state = {{"step%d" % i: torch.ones(2000 + i) for i in range(10)}}
+TRAINER = Trainer()                                                 # instance, dict inside
+MODEL = torch.nn.Sequential(*[torch.nn.Linear(1000 + i, 1000) for i in range(5)])  # 10 params
+QUEUE = collections.deque(torch.ones(5000 + i) for i in range(10))  # a deque
+def batches():
+    kept = [torch.ones(6000 + i) for i in range(10)]
+    yield 1
+    yield 2
+SUSPENDED = batches()
+next(SUSPENDED)                                                     # a suspended generator
+
+infos = live_tensors()
+top = infos[:50]
+start = time.perf_counter()
+words = [info.held_by for info in top]                              # memguard: shared walks
+memguard_s = time.perf_counter() - start
+tensors = [info._ref() for info in top]
+start = time.perf_counter()
+for tensor in tensors:
+    find_holders(tensor)                                            # one walk per tensor
+per_tensor_s = time.perf_counter() - start
+print(json.dumps({{"memguard": memguard_s, "per_tensor": per_tensor_s, "tensors": len(infos),
+                  "found": sum(1 for w in words if w != "holder not found")}}))
+"""
+
+
+def holders(quick: bool) -> list[Result]:
+    """Benchmark 6c: what keeps each of the 50 largest of 100,000 tensors (``held_by``, one
+    after the other, as a report asks), the 50 held in five ways (a module's list, a dict in
+    an instance, a model's parameters, a deque, a suspended generator's local), against one
+    walk per tensor (``find_holders`` for each, the way of a walk per ``gc.get_referrers``
+    question), in the same process, after it.
+
+    Fair: both walk the same heap for the same 50 tensors with the same depth, path and time
+    bounds; the second runs after the first, so any cache warmed helps the peer.
+    """
+    tensors = 30_000 if quick else 100_000
+    out = run_python(HOLDERS.format(tensors=tensors))
+    return [Result(f"6c holders of the 50 largest of {tensors:,} tensors", out["memguard"],
+                   out["per_tensor"], "s", "one walk per tensor", "<= 0.25x",
+                   out["memguard"] <= 0.25 * out["per_tensor"]
+                   and out["found"] == 50,
+                   f"{out['found']} of 50 holders found")]
+
+
+BENCHMARKS = [census, holders]

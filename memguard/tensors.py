@@ -8,7 +8,10 @@ are computed only on request.
 
 from __future__ import annotations
 
+import collections
 import gc
+import itertools
+import logging
 import os
 import sys
 import time
@@ -21,6 +24,7 @@ from ._units import Size, format_bytes, format_table, parse_size
 from .backends import check_device, resolve_devices
 from .backends.base import TensorRow
 
+log = logging.getLogger("memguard")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 HOLDER_DEPTH = 8
 HOLDER_SECONDS = 0.5
@@ -168,13 +172,10 @@ class TensorInfo:
         return list(known[self.id])
 
     def _find_holders(self, known: dict[int, list[str]]) -> None:
-        """Walk once for this tensor, or for its whole batch, and the roots of the graphs
-        that saved them."""
-        batch = self._cache.get("batch", [])
-        if any(ident == self.id for ident, _ in batch):
-            wanted = [(ident, ref) for ident, ref in batch if ident not in known]
-        else:
-            wanted = [(self.id, self._ref)]
+        """Walk once for this tensor and the ones its census ranked after it (the first
+        ``HOLDER_BATCH`` for any of them, then four times as many at each further walk), and the
+        roots of the graphs that saved them."""
+        wanted = self._batch(known)
         saved, roots = self._cache.get("saved", {}), self._cache.get("roots", {})
         for ident, _ in list(wanted):
             root = saved.get(ident)
@@ -189,9 +190,36 @@ class TensorInfo:
                 targets[ident] = target
         del wanted
         if targets:
-            found = find_holders_of(list(targets.values()))
-            known.update(zip(targets, found, strict=True))
+            seconds = HOLDER_SECONDS * min(max(1.0, len(targets) / HOLDER_BATCH), 20.0)
+            found, in_time = _walk(list(targets.values()), HOLDER_DEPTH, HOLDER_PATHS, seconds)
+            for ident, paths in zip(targets, found, strict=True):
+                if in_time or paths or ident == self.id:  # the rest: asked again, walked again
+                    known[ident] = paths
         targets.clear()
+
+    def _batch(self, known: dict[int, list[str]]) -> list[tuple[int, Any]]:
+        """``(id, weak reference)`` of the tensors to walk for: this one and the next ones of
+        its census not walked yet, ``HOLDER_BATCH`` at the first walk, four times as many at each
+        next one (at most ``HOLDER_BATCH_MAX``)."""
+        cache = self._cache
+        rows: list[TensorRow] = cache.get("rows", [])
+        rank = cache.get("rank")
+        if rank is None and rows:
+            rank = cache["rank"] = {row.id: position for position, row in enumerate(rows)}
+        start = None if rank is None else rank.get(self.id)
+        if start is None:
+            return [(self.id, self._ref)]
+        walks = cache.get("walks", 0)
+        cache["walks"] = walks + 1
+        size = min(HOLDER_BATCH << (2 * walks), HOLDER_BATCH_MAX)
+        first = 0 if start < HOLDER_BATCH else start
+        wanted = [(self.id, self._ref)]
+        for row in itertools.islice(rows, first, None):
+            if len(wanted) >= size:
+                break
+            if row.id not in known and row.id != self.id:
+                wanted.append((row.id, row.ref))
+        return wanted
 
     @property
     def saved_by(self) -> Optional[str]:
@@ -397,32 +425,184 @@ def _is_own_frame(frame: types.FrameType) -> bool:
     return os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR
 
 
-def _key_in(container: Any, obj: Any) -> Optional[str]:
-    """How ``container`` refers to ``obj``: ``[3]``, ``[-1]``, ``['key']``, or None."""
-    if isinstance(container, dict):
-        for key, value in container.items():
-            if value is obj:
-                return f"[{key!r}]"
-        return None
-    if isinstance(container, (list, tuple)):
-        for index, value in enumerate(container):
-            if value is obj:
-                last = index == len(container) - 1 and index > 0
-                return "[-1]" if last else f"[{index}]"
-        return None
-    if isinstance(container, (set, frozenset)) and obj in container:
-        return "{...}"
-    return None
-
-
+REPR_LIMIT = 80
+LARGE_CONTAINER = 64  # longer ones are indexed once per walk: 1,000 targets in a list of 100,000
+_SEQUENCES: tuple[type, ...] = (list, tuple, collections.deque)
+_SETS: tuple[type, ...] = (set, frozenset)
+_CONTAINERS = (dict, *_SEQUENCES, *_SETS)
+# suspended frames: the kind's word, its frame, what it delegates to, how it delegates
+_SUSPENDED = {types.GeneratorType: ("generator", "gi_frame", "gi_yieldfrom", "yield from"),
+              types.CoroutineType: ("coroutine", "cr_frame", "cr_await", "await"),
+              types.AsyncGeneratorType: ("async generator", "ag_frame", "ag_await", "await")}
+_CLASS_DICT: Any = type.__dict__["__dict__"]  # a class's namespace, whatever its metaclass says
+_QUALNAME: Any = type.__dict__["__qualname__"]
+_MODULE: Any = type.__dict__["__module__"]
 _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
 
-def _instance_dict(owner: Any) -> Optional[dict]:
+def _type_name(kind: type) -> str:
+    """``kind``'s qualified name, read past any metaclass."""
+    return str(_QUALNAME.__get__(kind))
+
+
+def _safe_repr(value: Any) -> str:
+    """``repr(value)`` cut to ``REPR_LIMIT`` characters; ``<Session object at 0x7f...>`` when
+    the program's ``__repr__`` raises or returns something other than a string (a detached
+    ORM row's does)."""
     try:
-        return object.__getattribute__(owner, "__dict__")
-    except (AttributeError, TypeError):
-        return None
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - the program's own __repr__ may raise anything; a path is still due
+        text = None
+    if not isinstance(text, str):
+        return f"<{_type_name(type(value))} object at {id(value):#x}>"
+    return text if len(text) <= REPR_LIMIT else text[:REPR_LIMIT - 3] + "..."
+
+
+def _base(kind: type, bases: tuple[type, ...]) -> Optional[type]:
+    return next((base for base in bases if issubclass(kind, base)), None)
+
+
+def _positions(container: Any) -> tuple[dict[int, int], Optional[list], int]:
+    """``id(member) -> position`` over a container (first occurrence), its keys when it is a
+    dict (a value maps to its key's position ``p``, a key to ``-p - 1``) and its length. Read
+    through the base type: a subclass's own ``items`` or ``__iter__`` never runs."""
+    index: dict[int, int] = {}
+    kind = type(container)
+    if issubclass(kind, dict):
+        keys = list(dict.keys(container))
+        for position, key in enumerate(keys):
+            index.setdefault(id(key), -position - 1)
+        for position, value in enumerate(dict.values(container)):
+            if index.get(id(value), -1) < 0:  # a value's path reads better than a key's
+                index[id(value)] = position
+        return index, keys, len(keys)
+    base: Any = _base(kind, _SEQUENCES + _SETS)
+    size = 0
+    for size, value in enumerate(base.__iter__(container), 1):
+        index.setdefault(id(value), size - 1)
+    return index, None, size
+
+
+class _Walk:
+    """What one walk keeps while it runs (the module namespaces, the running frames' locals,
+    the positions of large containers) and the ids of its own objects, which it never walks
+    through."""
+
+    def __init__(self) -> None:
+        self.modules: dict[int, str] = {}
+        for name, module in sorted(sys.modules.copy().items(),  # copied at once: imports in threads
+                                   key=lambda item: item[0] != "__main__"):
+            try:
+                namespace = object.__getattribute__(module, "__dict__")
+            except (AttributeError, TypeError):
+                continue
+            if type(namespace) is dict:
+                self.modules.setdefault(id(namespace), name)
+        self.stacks = _running_frames()  # running frames are not referrers the collector reports
+        self.locals: dict[int, list[str]] = {}
+        for frame, local_vars in self.stacks:
+            for name, value in local_vars.items():
+                self.locals.setdefault(id(value), []).append(
+                    f"frame {frame.f_code.co_name}() local '{name}'")
+        self.indexed: dict[int, tuple[dict[int, int], Optional[list], int]] = {}
+        self.delegations: dict[int, str] = {}
+        self.slots: dict[int, list[tuple[str, Any]]] = {}
+        self.late = False  # a pass cut short by the deadline
+        self.kept: list[Any] = []  # what the ids above name: alive while the walk runs
+        self.own = {id(self), id(self.modules), id(self.stacks), id(self.locals),
+                    id(self.indexed), id(self.kept), id(self.delegations), id(self.slots)}
+        self.own.update(id(local_vars) for _, local_vars in self.stacks)
+
+    def step(self, container: Any, obj: Any) -> Optional[tuple[str, Optional[str]]]:
+        """How ``container`` refers to ``obj`` (``[3]``, ``[-1]``, ``['key']``, ``.keys()[0]``,
+        ``{...}``) and, for a dict, the key when it is a string (an instance's ``__dict__``
+        gives the attribute); None when it does not refer to it or is no container."""
+        if _base(type(container), _CONTAINERS) is None:
+            return None
+        found = self.indexed.get(id(container))
+        if found is None:
+            found = _positions(container)
+            if found[2] > LARGE_CONTAINER:
+                self.indexed[id(container)] = found
+                self.kept.append(container)
+                if found[1] is not None:
+                    self.own.add(id(found[1]))
+        index, keys, size = found
+        position = index.get(id(obj))
+        if position is None:
+            return None
+        if keys is not None:
+            if position < 0:
+                return f".keys()[{-position - 1}]", None
+            key = keys[position]
+            return f"[{_safe_repr(key)}]", key if isinstance(key, str) else None
+        if _base(type(container), _SETS) is not None:
+            return "{...}", None
+        last = position == size - 1 and position > 0
+        return ("[-1]" if last else f"[{position}]"), None
+
+    def members(self, kind: type) -> list[tuple[str, Any]]:
+        """The slots' descriptors of a class and its bases, ``(name, descriptor)``; once a
+        walk for each class (a tensor's bases have hundreds of attributes)."""
+        found = self.slots.get(id(kind))
+        if found is None:
+            found = self.slots[id(kind)] = [
+                (str(name), member) for klass in kind.__mro__
+                for name, member in _CLASS_DICT.__get__(klass).items()
+                if type(member) is types.MemberDescriptorType]
+            self.kept.append(kind)
+        return found
+
+    def delegation(self, suspended: Any) -> str:
+        """``generator epoch() yield from ``: what delegates to a suspended generator or
+        coroutine (``yield from``, ``await``), outermost first, and the word for what it is;
+        one pass of the collector a generator, once a walk."""
+        known = self.delegations.get(id(suspended))
+        if known is not None:
+            return known
+        words, inner = [], suspended
+        for _ in range(HOLDER_DEPTH):
+            outer = next((r for r in gc.get_referrers(inner) if type(r) in _SUSPENDED
+                          and getattr(r, _SUSPENDED[type(r)][2]) is inner), None)
+            if outer is None:
+                break
+            words.append(f"{outer.__qualname__}() {_SUSPENDED[type(outer)][3]} ")
+            inner = outer
+        kind = _SUSPENDED[type(inner)][0]
+        found = self.delegations[id(suspended)] = f"{kind} " + "".join(reversed(words))
+        self.kept.append(suspended)
+        return found
+
+    def referrers(self, wanted: dict[int, Any], deadline: float) -> list[tuple[Any, Any]]:
+        """``(referrer, object)`` for every referrer of the objects ``wanted`` maps by id: one
+        pass of the collector (``gc.get_referrers``, whose cost grows with the number of
+        objects asked about) or, for many objects, one pass over every tracked object looking
+        their ids up."""
+        objects = tuple(wanted.values())
+        self.own.add(id(objects))
+        if len(objects) <= REFERRER_PASS:
+            candidates = gc.get_referrers(*objects)
+        else:
+            candidates = gc.get_objects()
+        del objects
+        self.own.add(id(candidates))
+        pairs: list[tuple[Any, Any]] = []
+        self.own.add(id(pairs))
+        own, referents, clock = self.own, gc.get_referents, time.perf_counter
+        for count, ref in enumerate(candidates):
+            if id(ref) in own:
+                continue
+            if not count & 4095 and clock() > deadline:
+                self.late = True
+                break
+            for child in referents(ref):
+                if id(child) in wanted:
+                    pairs.append((ref, child))
+        candidates.clear()
+        return pairs
+
+
+REFERRER_PASS = 256  # objects per gc.get_referrers pass; beyond, one pass over every object
 
 
 def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int = HOLDER_PATHS,
@@ -430,8 +610,29 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     """Short paths from a root to ``target``, found breadth-first over ``gc.get_referrers``.
 
     Roots are module globals (``module __main__, global CACHE[3]``), frames (``frame
-    train() local 'outputs'``), class instances (``Trainer object .history[-1]``), classes
-    and closures. The walk is bounded in depth and time and ignores memguard's own objects.
+    train() local 'outputs'``), suspended generators and coroutines (``generator batches()
+    local 'x'``, ``generator epoch() yield from batches() local 'x'``), class instances
+    (``Trainer object .history[-1]``, ``__slots__`` included), classes (``class Config
+    .TABLE``) and closures; the walk goes through dicts (values and keys: ``.keys()[0]``),
+    lists, tuples, deques and sets. It is bounded in depth and time, ignores memguard's own
+    objects and never raises because of the program's objects: a key whose ``repr`` fails
+    reads ``[<Row object at 0x7f...>]``, a referrer that fails when looked at is passed over.
+
+    Args:
+        target: the object (a tensor, usually) whose holders to find.
+        max_depth: the most steps from a root to ``target``.
+        max_paths: the most paths returned, shortest first.
+        seconds: the time the walk may take.
+
+    Returns:
+        The paths, shortest first; empty when none was found.
+
+    >>> import sys, types
+    >>> app = sys.modules["app"] = types.ModuleType("app")
+    >>> app.CACHE = {"logits": [0.5]}
+    >>> find_holders(app.CACHE["logits"])
+    ["module app, global CACHE['logits']"]
+    >>> del sys.modules["app"]
     """
     return find_holders_of([target], max_depth=max_depth, max_paths=max_paths,
                            seconds=seconds)[0]
@@ -440,22 +641,38 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
 def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
                     max_paths: int = HOLDER_PATHS, seconds: float = HOLDER_SECONDS
                     ) -> list[list[str]]:
-    """:func:`find_holders` for several targets at once: each level of the walk costs one
-    pass of the collector over every tracked object, whatever the number of targets."""
-    modules: dict[int, str] = {}
-    for name, module in sorted(sys.modules.items(), key=lambda item: item[0] != "__main__"):
-        if module is not None and hasattr(module, "__dict__"):
-            modules.setdefault(id(vars(module)), name)
+    """:func:`find_holders` for several targets at once, in one walk: each level costs one
+    pass over every tracked object (the collector's ``gc.get_referrers`` for up to
+    ``REFERRER_PASS`` objects, a pass looking ids up beyond), whatever the number of targets.
+
+    Args:
+        targets: the objects whose holders to find.
+        max_depth: the most steps from a root to a target.
+        max_paths: the most paths for each target, shortest first.
+        seconds: the time the whole walk may take.
+
+    Returns:
+        One list of paths for each target, in the order of ``targets``.
+
+    >>> find_holders_of([])
+    []
+    """
+    return _walk(targets, max_depth, max_paths, seconds)[0]
+
+
+def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
+          ) -> tuple[list[list[str]], bool]:
+    """The paths of each target, and whether the walk ended before its deadline."""
     deadline = time.perf_counter() + seconds
+    walk = _Walk()
     paths: list[list[str]] = [[] for _ in targets]
     seen = [{id(target)} for target in targets]
     # each entry: (target index, object, path from it to the target, path if it is an
     # instance's __dict__)
     frontier: list[tuple[int, Any, str, Optional[str]]] = [
         (index, target, "", None) for index, target in enumerate(targets)]
-    stacks = _running_frames()  # running frames are not referrers the collector reports
-    own = {id(paths), id(seen), id(frontier), id(modules), id(stacks), id(targets)}
-    own.update(id(local_vars) for _, local_vars in stacks)
+    walk.own.update((id(paths), id(seen), id(frontier), id(targets)))
+    in_time = True
 
     def add(index: int, path: str) -> None:
         if path and path not in paths[index]:
@@ -463,67 +680,72 @@ def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
 
     for _ in range(max_depth):
         frontier = [entry for entry in frontier if len(paths[entry[0]]) < max_paths]
-        if not frontier or time.perf_counter() > deadline:
+        if not frontier:
+            break
+        if time.perf_counter() > deadline:
+            in_time = False
             break
         by_id: dict[int, list[tuple[int, Any, str, Optional[str]]]] = {}
+        wanted: dict[int, Any] = {}
         for entry in frontier:
             index, obj, suffix, _ = entry
             by_id.setdefault(id(obj), []).append(entry)
-            for frame, local_vars in stacks:
-                for name, value in local_vars.items():
-                    if value is obj:
-                        add(index, f"frame {frame.f_code.co_name}() local '{name}'{suffix}")
+            wanted[id(obj)] = obj
+            for prefix in walk.locals.get(id(obj), ()):
+                add(index, prefix + suffix)
         upcoming: list[tuple[int, Any, str, Optional[str]]] = []
-        own.update((id(upcoming), id(by_id)))
         # the walk's own entries refer to its targets: never walk up through them (20 graph
         # roots made 847 of them at the fourth level, and a 1.3 s pass of the collector)
-        own.update(id(entry) for entry in frontier)
-        objects = tuple({id(e[1]): e[1] for e in frontier}.values())
-        own.add(id(objects))
-        referrers = gc.get_referrers(*objects)
-        del objects
-        own.add(id(referrers))
-        for ref in referrers:
-            if id(ref) in own or time.perf_counter() > deadline:
-                continue
-            for child in gc.get_referents(ref):
-                for index, obj, suffix, as_attribute in by_id.get(id(child), ()):
-                    if id(ref) in seen[index]:
-                        continue
-                    seen[index].add(id(ref))
-                    root = _root(ref, obj, suffix, as_attribute, modules)
+        walk.own.update((id(upcoming), id(by_id), id(wanted), id(frontier)))
+        walk.own.update(id(entry) for entry in frontier)
+        pairs = walk.referrers(wanted, deadline)
+        wanted.clear()
+        for ref, child in pairs:
+            if time.perf_counter() > deadline:
+                in_time = False
+                break
+            for index, obj, suffix, as_attribute in by_id[id(child)]:
+                if id(ref) in seen[index]:
+                    continue
+                seen[index].add(id(ref))
+                try:
+                    root = _root(ref, obj, suffix, as_attribute, walk)
                     if root is not None:
                         add(index, root)
                         continue
-                    step = "" if isinstance(ref, types.CellType) else _key_in(ref, obj)
-                    if step is None:
-                        continue
-                    attribute = None
-                    if isinstance(ref, dict):
-                        key = next(k for k, v in ref.items() if v is obj)
-                        if isinstance(key, str):
-                            attribute = f".{key}{suffix}"
-                    upcoming.append((index, ref, step + suffix, attribute))
-        del referrers
+                    step = ("", None) if type(ref) is types.CellType else walk.step(ref, obj)
+                except Exception:  # a program's object that fails when looked at
+                    log.debug("holder walk: passed over a %s that failed when read",
+                              type(ref).__name__, exc_info=True)
+                    continue
+                if step is not None:
+                    key = step[1]
+                    attribute = None if key is None else f".{key}{suffix}"
+                    upcoming.append((index, ref, step[0] + suffix, attribute))
+        pairs.clear()
+        del pairs
         frontier = upcoming
-    return [sorted(found, key=len)[:max_paths] for found in paths]
+    return [sorted(found, key=len)[:max_paths] for found in paths], in_time and not walk.late
 
 
 HOLDER_BATCH = 10
+HOLDER_BATCH_MAX = 5120
 
 
 def _share_holders(infos: list[TensorInfo],
                    graphs: Optional[dict[str, Any]] = None) -> list[TensorInfo]:
     """Let ``infos`` (largest first) share one cache, so that asking any of the first
     ``HOLDER_BATCH`` for its holders finds the holders of all of them (and of the roots of
-    the graphs that saved them) in one walk. ``graphs`` is what the census traced; without
-    it, what the infos' own census traced is kept."""
+    the graphs that saved them) in one walk, and asking one further down finds those of the
+    next ones as well, four times as many each time (40, 160, ...). ``graphs`` is what the census
+    traced; without it, what the infos' own census traced is kept."""
     if graphs is None:
         graphs, caches = {}, {id(info._cache): info._cache for info in infos}  # noqa: SLF001 - this module's TensorInfo
         for cache in caches.values():
             for part in ("saved", "roots"):
                 graphs.setdefault(part, {}).update(cache.get(part, {}))
     shared: dict[str, Any] = {"batch": [(i.id, i._ref) for i in infos[:HOLDER_BATCH]],  # noqa: SLF001 - this module's TensorInfo
+                              "rows": [info._row for info in infos],  # noqa: SLF001 - this module's TensorInfo
                               "holders": {}, "saved": graphs.get("saved", {}),
                               "roots": graphs.get("roots", {})}
     set_cache = _CACHE_SLOT.__set__
@@ -596,22 +818,24 @@ def _running_frames() -> list[tuple[types.FrameType, dict]]:
 
 
 def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
-          modules: dict[int, str]) -> Optional[str]:
+          walk: _Walk) -> Optional[str]:
     """The path if ``ref`` is a root holding ``obj``; ``""`` for a referrer to skip; ``None``
-    to keep walking through it."""
-    if isinstance(ref, types.FrameType):
+    to keep walking through it. Types are read with ``type()``, never ``isinstance``: a
+    program's proxy may answer ``__class__`` with anything, or raise."""
+    kind = type(ref)
+    if kind is types.FrameType:
         if _is_own_frame(ref):
             return ""
         for name, value in ref.f_locals.items():
             if value is obj:
                 return f"frame {ref.f_code.co_name}() local '{name}'{suffix}"
         return ""
-    if isinstance(ref, dict) and id(ref) in modules:
-        for name, value in ref.items():
+    if kind is dict and id(ref) in walk.modules:
+        for name, value in dict.items(ref):
             if value is obj:
-                return f"module {modules[id(ref)]}, global {name}{suffix}"
+                return f"module {walk.modules[id(ref)]}, global {name}{suffix}"
         return ""
-    if isinstance(ref, types.FunctionType):
+    if kind is types.FunctionType:
         cells = ref.__closure__ or ()
         if cells is obj and suffix.startswith("["):  # function -> closure tuple -> cell
             index, _, rest = suffix[1:].partition("]")
@@ -620,30 +844,79 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
                 name = ref.__code__.co_freevars[position]
                 return f"function {ref.__qualname__}() closure '{name}'{rest}"
         return ""
-    if isinstance(ref, types.CellType):
+    if kind is types.CellType:
         return None if ref.cell_contents is obj else ""
-    if isinstance(ref, (dict, list, tuple, set, frozenset)):
+    if kind in _SUSPENDED:
+        return _suspended_root(ref, obj, suffix, walk)
+    if _base(kind, _CONTAINERS) is not None:
         return None
-    if isinstance(ref, type):
-        for name, value in vars(ref).items():
-            if value is obj:
-                return f"class {ref.__qualname__} .{name}{suffix}"
-        return ""
-    if type(ref).__module__.startswith("memguard"):
+    if issubclass(kind, type):
+        return _class_root(ref, obj, suffix, as_attribute)
+    module = _MODULE.__get__(kind)
+    if isinstance(module, str) and module.startswith("memguard"):
         return ""
     attribute: Optional[str] = None
     attributes = _instance_dict(ref)
     if as_attribute is not None and attributes is obj:
         attribute = as_attribute
-    elif attributes is not None:  # attributes stored inline in the instance (Python 3.11+)
-        key = next((k for k, v in attributes.items() if v is obj), None)
+    elif type(attributes) is dict:  # attributes stored inline in the instance (Python 3.11+)
+        key = next((k for k, v in dict.items(attributes) if v is obj), None)
         attribute = None if key is None else f".{key}{suffix}"
+    if attribute is None:
+        slot = _slot_holding(ref, obj, walk)
+        attribute = None if slot is None else f".{slot}{suffix}"
     if attribute is None:
         return ""
     for slot in _MODULE_SLOTS:  # torch modules: .weight rather than ._parameters['weight']
         if attribute.startswith(f".{slot}["):
             attribute = "." + attribute[len(slot) + 3:].replace("']", "", 1)
-    return f"{type(ref).__qualname__} object {attribute}"
+    return f"{_type_name(kind)} object {attribute}"
+
+
+def _instance_dict(owner: Any) -> Optional[dict]:
+    try:
+        return object.__getattribute__(owner, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+
+
+def _slot_holding(owner: Any, obj: Any, walk: _Walk) -> Optional[str]:
+    """The ``__slots__`` entry of ``owner`` that holds ``obj`` (a private one by its mangled
+    name, ``_Model__cache``), read through the slots' descriptors."""
+    kind = type(owner)
+    for name, member in walk.members(kind):
+        try:
+            value = member.__get__(owner, kind)
+        except AttributeError:  # an empty slot
+            continue
+        if value is obj:
+            return name
+    return None
+
+
+def _class_root(cls: type, obj: Any, suffix: str, as_attribute: Optional[str]) -> str:
+    """``class Config .TABLE``: a class attribute, reached from the value itself or from the
+    class's namespace (the dict a class keeps its attributes in)."""
+    namespace = _CLASS_DICT.__get__(cls)  # a read-only view over that dict
+    if as_attribute is not None and any(inner is obj for inner in gc.get_referents(namespace)):
+        return f"class {_type_name(cls)} {as_attribute}"
+    for name, value in namespace.items():
+        if value is obj:
+            return f"class {_type_name(cls)} .{name}{suffix}"
+    return ""
+
+
+def _suspended_root(ref: Any, obj: Any, suffix: str, walk: _Walk) -> str:
+    """``generator batches() local 'x'``: a local of a suspended generator, coroutine or
+    async generator, named through the ones that delegate to it (``generator epoch() yield
+    from batches() local 'x'``)."""
+    frame = getattr(ref, _SUSPENDED[type(ref)][1])
+    if frame is None or _is_own_frame(frame):
+        return ""
+    name = next((key for key, value in frame.f_locals.items() if value is obj), None)
+    if name is None:
+        return ""
+    return f"{walk.delegation(ref)}{ref.__qualname__}() local '{name}'{suffix}"
 
 
 def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:

@@ -252,7 +252,8 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     """The census rows of ``tensors`` (those that own memory) and their storage keys.
 
     ``nbytes`` of a row is its storage's bytes; ``names`` maps ids to parameter names. Tensors
-    that own no memory (meta, fake, empty, sparse and lazy ones) are left out.
+    that own no memory (meta, fake, empty, sparse and lazy ones) are left out, and so are those
+    of a program's subclass that fails when read (whatever it raises).
     """
     known = _names
     rows: list[TensorRow] = []
@@ -271,7 +272,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
                                      tensor.shape, storage.nbytes(), tensor._is_view(),  # noqa: SLF001 - torch's view test, no public equivalent
                                      names.get(ident), ident, ref(tensor))))
             add_key((device, pointer))
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - a program's subclass may raise anything from a read
             continue
     return rows, keys
 

@@ -79,7 +79,7 @@ def graph_savings(tensors: list[Any], known: set[tuple[str, int]]
     for index, tensor in enumerate(tensors):
         try:
             node = tensor.grad_fn
-        except (RuntimeError, AttributeError):
+        except Exception:  # noqa: BLE001 - a program's subclass may raise anything from a read
             continue
         if node is not None:
             candidates.append((index, node))
