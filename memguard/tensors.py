@@ -137,7 +137,7 @@ class TensorInfo:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorInfo):
             return NotImplemented
-        return self._row[:_REF] == other._row[:8]
+        return self._row[:_REF] == other._row[:_REF]
 
     def __hash__(self) -> int:
         return hash(self._row[:_REF])

@@ -15,7 +15,7 @@ import torch
 import memguard
 from memguard.backends.budget import Budget, budgets
 from memguard.batching import BatchResults
-from memguard.retry import Attempt
+from memguard.loop import Attempt
 
 LEAKS: list = []
 
@@ -51,9 +51,9 @@ def test_snapshots_deltas_and_budgets_pickle_equal():
 
 
 def test_attempts_and_batch_results_carry_their_snapshots():
-    failed = Attempt(8, None, False, "out of memory (MemoryError)", 0.25,
-                     memory=memguard.snapshot(), next_batch_size=4)
-    for original in (failed, Attempt(4, 2, True, None, 0.5)):
+    failed = Attempt(size=8, ok=False, error="out of memory (MemoryError)", seconds=0.25,
+                     memory=memguard.snapshot(), next_size=4)
+    for original in (failed, Attempt(size=4, steps=2, ok=True, seconds=0.5)):
         for twin in round_trips(original):
             assert twin == original and twin.to_dict() == original.to_dict()
     results = BatchResults([1, 2, 3], history=[failed])
@@ -108,7 +108,8 @@ def test_every_error_pickles_with_its_fields():
     assert leak.leaks and leak.retained["host"] > 1 << 20  # type: ignore[attr-defined]
     oom = memguard.OutOfMemoryError(
         "out of memory at batch sizes 8, 4",
-        attempts=[Attempt(8, None, False, "out of memory", 0.1, memory=memguard.snapshot())],
+        attempts=[Attempt(size=8, ok=False, error="out of memory", seconds=0.1,
+                          memory=memguard.snapshot())],
         partial=[1, 2])
     oom.add_note("while training")
     errors = [memguard.MemguardError("bad value"), leak, oom,
