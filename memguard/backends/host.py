@@ -276,6 +276,27 @@ def address_space_budget() -> Optional[tuple[str, int, int]]:
     return "RLIMIT_AS", soft, vm
 
 
+def address_space() -> Optional[tuple[int, int, str]]:
+    """The process's virtual size and the soft ``RLIMIT_AS`` in force, in bytes, and who set
+    that limit (``"memory_limit"`` or ``"RLIMIT_AS"``), or ``None`` when there is none (or
+    off Linux): the two figures to draw side by side, as the limit counts address space.
+
+    >>> address_space() is None or address_space()[0] > 0
+    True
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        vm = _vm_size()
+    except (ImportError, OSError, ValueError):
+        return None
+    ours = any(limit == soft for limit, _ in list(_OPEN_LIMITS.values()))
+    return vm, soft, "memory_limit" if ours else "RLIMIT_AS"
+
+
 _CGROUP_ROOT = "/sys/fs/cgroup"
 
 
