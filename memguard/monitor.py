@@ -21,7 +21,7 @@ log = logging.getLogger("memguard")
 MAX_LISTED_MARKS = 40  # marks numbered on a plot and listed beside it; the rest are bare lines
 _LABEL_ROWS = 3  # rows the numbers of marks are staggered in
 _LABEL_PX = 22  # room one number takes across, in pixels at 100 dpi
-_LISTED_CHARS = 40  # a mark's label beside the plot is cut to this
+_LISTED_CHARS = 48  # a mark's label beside the plot is cut to this
 
 # (virtual size, soft RLIMIT_AS, who set it) at one sample; None where no limit was in force
 Space = Optional[tuple[int, int, str]]
@@ -355,7 +355,7 @@ class MemoryMonitor:
                 ax.legend(loc="lower right", fontsize=8)
         axes[-1].set_xlabel("seconds")
         fig.suptitle(title or "memguard memory timeline")
-        fig.tight_layout(rect=(0, 0, 0.72, 1) if times else (0, 0, 1, 1))
+        fig.tight_layout(rect=(0, 0, 0.68, 1) if times else (0, 0, 1, 1))
         if not times:
             return fig
         # Numbers go where the layout put the axes: spread so that none overlaps another.
@@ -393,7 +393,7 @@ class MemoryMonitor:
         if dropped and marks is None and between is not None:
             listing.append(f"{dropped} marks dropped between {between[0] - start:.{digits}f} s "
                            f"and {between[1] - start:.{digits}f} s (max_marks)")
-        fig.text(0.735, 0.9, "marks\n" + "\n".join(listing), fontsize=7, family="monospace",
+        fig.text(0.695, 0.9, "marks\n" + "\n".join(listing), fontsize=7, family="monospace",
                  va="top")
         return fig
 
@@ -471,9 +471,10 @@ def _draw_address_space(ax: Any, space: list[tuple[float, int, int, str]]) -> No
     xs = [t for t, *_ in space]
     ax.plot(xs, [vm / 2**20 for _, vm, _, _ in space], "-", color="tab:purple",
             label="virtual size")
-    kinds = sorted({kind for *_, kind in space})
+    kinds = sorted({kind for *_, kind in space if kind != "RLIMIT_AS"})
     ax.step(xs, [limit / 2**20 for _, _, limit, _ in space], where="post", color="tab:red",
-            linewidth=1.2, linestyle=":", label=f"soft RLIMIT_AS ({' / '.join(kinds)})")
+            linewidth=1.2, linestyle=":", label="soft RLIMIT_AS" + "".join(
+                f" (set by {kind})" for kind in kinds))
     ax.set_ylabel("host address space (MiB)")
 
 

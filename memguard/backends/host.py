@@ -287,13 +287,14 @@ def address_space() -> Optional[tuple[int, int, str]]:
     try:
         import resource
 
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        with _LIMITS_LOCK:  # the limit and who set it, read in step with memory_limit
+            soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+            ours = any(limit == soft for limit, _ in _OPEN_LIMITS.values())
         if soft == resource.RLIM_INFINITY:
             return None
         vm = _vm_size()
     except (ImportError, OSError, ValueError):
         return None
-    ours = any(limit == soft for limit, _ in list(_OPEN_LIMITS.values()))
     return vm, soft, "memory_limit" if ours else "RLIMIT_AS"
 
 
