@@ -247,6 +247,13 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     ``"cuda"`` or ``"cuda:N"``, or a CUDA device torch does not see, a ``ValueError``, both
     raised when ``memory_limit`` is called.
 
+    Args:
+        limit: the bytes the block may use, an int or a size such as ``"256MiB"``.
+        device: ``"host"``, ``"cuda"`` or ``"cuda:N"`` (default: see above).
+
+    Returns:
+        a :class:`MemoryLimit`, to use with ``with``.
+
     >>> import torch, memguard
     >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP
     ...     torch.ones(2**28)  # 1 GiB

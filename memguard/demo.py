@@ -227,6 +227,11 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
 
     Returns:
         a :class:`DemoRun`.
+
+    >>> result = train(768 << 20, epochs=1)  # doctest: +SKIP
+    memguard demo: torch on cpu, a 768.0 MiB budget, ...
+    >>> result.ok, result.batch_size  # doctest: +SKIP
+    (True, 16384)
     """
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
@@ -303,6 +308,8 @@ def timeline(result: DemoRun) -> Any:
 
     Returns:
         the ``Figure`` (``ImportError`` without matplotlib).
+
+    >>> timeline(train(768 << 20, epochs=1)).savefig("demo.png")  # doctest: +SKIP
     """
     title = (f"memguard demo: {result.framework} on {result.device}, "
              f"memory_limit {format_bytes(result.budget)}")

@@ -226,3 +226,34 @@ def test_limits_opened_in_threads_and_tasks_compose_whatever_the_exit_order(
             else:
                 assert one_left == narrow, (how, exit_first)
             assert none_left == [None, None], (how, exit_first)
+
+
+@pytest.mark.gpu
+def test_cuda_limits_opened_in_threads_compose_whatever_the_exit_order():
+    import threading
+
+    from memguard.backends import torch as torch_backend
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch_backend.memory_fraction(0)
+    for exit_first in ("wide", "narrow"):
+        sizes, seen = {"wide": 2 * GiB, "narrow": GiB}, []
+        opened = {name: threading.Event() for name in sizes}
+        close = {name: threading.Event() for name in sizes}
+
+        def worker(name, sizes=sizes, opened=opened, close=close):
+            with memguard.memory_limit(sizes[name], device="cuda:0"):
+                opened[name].set()
+                close[name].wait()
+
+        threads = {name: threading.Thread(target=worker, args=(name,)) for name in sizes}
+        for name in ("wide", "narrow"):
+            threads[name].start()
+            opened[name].wait()
+            seen.append(torch_backend.memory_fraction(0))
+        for name in (exit_first, "narrow" if exit_first == "wide" else "wide"):
+            close[name].set()
+            threads[name].join()
+            seen.append(torch_backend.memory_fraction(0))
+        left = sizes["narrow" if exit_first == "wide" else "wide"]
+        assert seen == pytest.approx([2 * GiB / total, GiB / total, left / total, before])
