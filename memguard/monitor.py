@@ -323,10 +323,11 @@ class MemoryMonitor:
         series = self.series()
         space = self.address_space()
         lines = lines or {}
-        start = self.started or 0.0
         with self._lock:
             chosen = list(self.marks if marks is None else marks)
             dropped, between = self.marks_dropped, self._dropped_between
+        # Seconds since the start (a monitor never started: since its first mark).
+        start = self.started or min((t for t, _ in chosen), default=0.0)
         times = sorted((t - start, str(label)) for t, label in chosen)
         panels = list(series)
         if space:
@@ -494,7 +495,7 @@ def _spread(xs: list[float], low: float, high: float, width_px: float) -> dict[i
     for index, x in enumerate(xs):
         if len(chosen) == MAX_LISTED_MARKS:
             break
-        if x - previous < step:
+        if x - previous < step or not low <= x <= high:
             continue
         row = next((r for r in range(_LABEL_ROWS) if x - last[r] >= gap), None)
         if row is not None:

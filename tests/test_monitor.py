@@ -130,6 +130,15 @@ def test_plot_writes_a_png(tmp_path):
     assert "1" in listing and "spike" in listing
 
 
+def test_plot_of_a_monitor_that_never_ran(tmp_path):
+    pytest.importorskip("matplotlib")
+    mon = memguard.MemoryMonitor()
+    mon.mark("before any sample")  # seconds count from the first mark, not from 1970
+    assert mon.plot(str(tmp_path / "idle.png")).endswith("idle.png")
+    figure = mon.figure()
+    assert _mark_lines(figure.axes[0]) == [0.0] and _numbers(figure.axes[0]) == {1: 0.0}
+
+
 def test_a_failing_reading_is_logged_once_then_counted(monkeypatch, caplog):
     def unreadable(device="host"):
         raise OSError(5, "Input/output error", "/proc/self/statm")
