@@ -46,6 +46,17 @@ _positive_size = _argument(lambda text: parse_size(text, "the size"), positive_i
                            hint="; for example 768MiB")
 
 
+def _plot_path(text: str) -> str:
+    """An argparse ``type`` for ``demo --plot``: a place the PNG can be written, checked
+    before the training's seconds rather than after them (empty: no timeline)."""
+    from .demo import check_plot_path
+
+    try:
+        return check_plot_path(text) if text else text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (every subcommand has ``--help``)."""
     top = argparse.ArgumentParser(prog="memguard", description="Keep GPU and host memory under "
@@ -76,8 +87,9 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=_positive_size, default=parse_size("768MiB"),
                       metavar="SIZE", help="memory the training may use (default 768MiB)")
     demo.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
-    demo.add_argument("--plot", default="memguard-demo.png", metavar="PATH",
-                      help="where to write the timeline PNG (default memguard-demo.png)")
+    demo.add_argument("--plot", type=_plot_path, default="memguard-demo.png", metavar="PATH",
+                      help="where to write the timeline PNG (default memguard-demo.png; its "
+                           "folder must exist)")
     demo.add_argument("--epochs", type=_positive_int, default=3, help=argparse.SUPPRESS)
     return top
 

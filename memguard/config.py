@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import warnings
 from typing import Any, Optional
 
 from ._checks import flag, fraction, positive_int
+from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_size
 from .backends import check_device, tensorflow as tf_backend, torch as torch_backend
 from .backends.host import limit_address_space, restore_address_space
@@ -136,7 +138,8 @@ class MemoryLimit:
 
     def __enter__(self) -> "MemoryLimit":
         if self._restore is not None:
-            raise RuntimeError("this memory_limit is already active")
+            raise RuntimeError("this memory_limit is already active; use a new "
+                               "memory_limit(...) for each block open at the same time")
         if self.device == "host":
             self._restore = ("host", limit_address_space(self.limit))
         else:  # pragma: gpu
@@ -145,9 +148,7 @@ class MemoryLimit:
             if self.limit > total:
                 raise ValueError(f"memory_limit: {format_bytes(self.limit)} is more than "
                                  f"{self.device} has ({format_bytes(total)})")
-            previous = torch_backend.memory_fraction(index)
-            torch_backend.set_memory_fraction(index, min(previous, self.limit / total))
-            self._restore = ("cuda", index, previous)
+            self._restore = ("cuda", index, _open_cuda_limit(index, self.limit / total))
         log.debug("memory limited to %s on %s", format_bytes(self.limit), self.device)
         return self
 
@@ -158,7 +159,38 @@ class MemoryLimit:
         if restore[0] == "host":
             restore_address_space(restore[1])
         else:  # pragma: gpu
-            torch_backend.set_memory_fraction(restore[1], restore[2])
+            _close_cuda_limit(restore[1], restore[2])
+
+
+# CUDA limits open per device: index -> {token: fraction}, and the fraction found when the
+# first opened. As on the host, the tightest open one is in force, whichever thread or task
+# opened it and whatever order they close in; the one found comes back when the last closes.
+_CUDA_OPEN: dict[int, dict[int, float]] = {}
+_CUDA_ORIGINAL: dict[int, float] = {}
+_CUDA_TOKENS = itertools.count(1)
+_CUDA_LOCK = ForkSafeLock()
+
+
+def _open_cuda_limit(index: int, fraction: float) -> int:  # pragma: gpu
+    with _CUDA_LOCK:
+        opened = _CUDA_OPEN.setdefault(index, {})
+        if not opened:
+            _CUDA_ORIGINAL[index] = torch_backend.memory_fraction(index)
+        token = next(_CUDA_TOKENS)
+        opened[token] = fraction
+        torch_backend.set_memory_fraction(index, min(_CUDA_ORIGINAL[index], *opened.values()))
+    return token
+
+
+def _close_cuda_limit(index: int, token: int) -> None:  # pragma: gpu
+    with _CUDA_LOCK:
+        opened = _CUDA_OPEN.get(index, {})
+        if opened.pop(token, None) is None:
+            return
+        original = _CUDA_ORIGINAL[index]
+        torch_backend.set_memory_fraction(index, min(original, *opened.values()))
+        if not opened:
+            del _CUDA_OPEN[index], _CUDA_ORIGINAL[index]
 
 
 _DEVICES = "'host', 'cuda' or 'cuda:N'"
@@ -201,8 +233,11 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
       plus ``limit``, restored on exit. It counts address space, not resident memory, for
       the whole process (every thread), and works where the kernel enforces it (Linux).
-    - Nested limits only narrow: inside a block, an inner ``memory_limit`` larger than the
-      outer one leaves the outer one in force; on exit the outer one is back.
+    - Limits compose: while several blocks are open, nested or in different threads or
+      asyncio tasks, the tightest is in force (an inner ``memory_limit`` larger than the
+      outer one leaves the outer one in force); when one closes, the tightest of those
+      still open is, whatever order they close in; when the last closes, the limit found
+      before the first opened is back. One ``MemoryLimit`` object is one block at a time.
     - TensorFlow GPUs can only be limited before TensorFlow initialises them, for good: use
       ``tf.config.set_logical_device_configuration(gpu,
       [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])`` at the start; memory_limit
@@ -211,6 +246,13 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     A device that is not a string is a ``TypeError``; any other than ``"host"``,
     ``"cuda"`` or ``"cuda:N"``, or a CUDA device torch does not see, a ``ValueError``, both
     raised when ``memory_limit`` is called.
+
+    Args:
+        limit: the bytes the block may use, an int or a size such as ``"256MiB"``.
+        device: ``"host"``, ``"cuda"`` or ``"cuda:N"`` (default: see above).
+
+    Returns:
+        a :class:`MemoryLimit`, to use with ``with``.
 
     >>> import torch, memguard
     >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP

@@ -12,6 +12,7 @@ that says so and what to try, not a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional
 from ._units import format_bytes, format_table
 from .backends import level_field
 from .config import memory_limit
+from .errors import is_oom_error, requested_bytes
 from .loop import Attempt
 from .monitor import MemoryMonitor
 from .retry import oom_retry
@@ -151,35 +153,122 @@ def retry_line(attempt: Attempt) -> str:
             f"memory freed, retrying at batch_size={attempt.next_size}")
 
 
+@dataclasses.dataclass
+class DemoRun:
+    """What :func:`train` did: ``ok`` (everything held), the batch size that fit (``None``
+    if none did), the epochs' scopes, the ``monitor`` that watched them, the marks to draw
+    (in the order things happened) and the horizontal lines for the timeline."""
+
+    framework: str
+    device: str
+    budget: int
+    ok: bool
+    batch_size: Optional[int]
+    scopes: list[MemoryScope]
+    monitor: MemoryMonitor
+    marks: list[tuple[float, str]]
+    lines: dict[str, list[tuple[int, str]]]
+
+
+def check_plot_path(path: str) -> str:
+    """``path`` if the timeline can be written there, else a ``ValueError`` that says why:
+    checked before training, which takes seconds.
+
+    Args:
+        path: where the PNG goes.
+
+    Returns:
+        ``path``.
+
+    >>> check_plot_path("/no/such/folder/demo.png")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot write the timeline to '/no/such/folder/demo.png': the folder '/no/su...
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        why = "it is a folder; name a file in it, such as memguard-demo.png"
+    elif not os.path.isdir(folder):
+        why = f"the folder {folder!r} does not exist; create it first or choose another --plot PATH"
+    elif not os.access(folder, os.W_OK):
+        why = f"the folder {folder!r} is not writable; choose another --plot PATH"
+    else:
+        return path
+    raise ValueError(f"cannot write the timeline to {path!r}: {why}")
+
+
 def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         epochs: int = 3, say: Callable[..., None] = _say) -> int:
-    """Run the demo; returns the exit code (0: everything held)."""
+    """Run the demo and write its timeline to ``plot`` (nothing when empty); returns the
+    exit code (0: everything held). A ``plot`` that cannot be written is a ``ValueError``
+    before any training."""
     started = time.perf_counter()
+    if plot:
+        check_plot_path(plot)
+    result = train(budget, framework, epochs, say)
+    if plot:
+        try:
+            timeline(result).savefig(plot, dpi=100)
+            say(f"timeline written to {plot}")
+        except ImportError as exc:
+            say(f"no timeline: {exc}")
+    say(f"{'everything held' if result.ok else 'something did not hold'} "
+        f"({time.perf_counter() - started:.1f} s)")
+    return 0 if result.ok else 1
+
+
+def train(budget: int, framework: str = "torch", epochs: int = 3,
+          say: Callable[..., None] = _say) -> DemoRun:
+    """Train under ``budget`` bytes, starting too big, and print what happens and a summary.
+
+    Args:
+        budget: the bytes :func:`memguard.memory_limit` gives the training.
+        framework: ``"torch"`` or ``"tensorflow"``.
+        epochs: how many epochs to train.
+        say: where the lines go (``print``-like).
+
+    Returns:
+        a :class:`DemoRun`.
+
+    >>> result = train(768 << 20, epochs=1)  # doctest: +SKIP
+    memguard demo: torch on cpu, a 768.0 MiB budget, ...
+    >>> result.ok, result.batch_size  # doctest: +SKIP
+    (True, 16384)
+    """
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
         f"{SAMPLES} samples, starting at batch_size={START_BATCH} (too big on purpose)")
     flavour.step(0, 64)  # warm up: kernels, thread pools and their arenas exist from here on
     scopes: list[MemoryScope] = []
     epoch_number, attempted = [0], [START_BATCH]
+    monitor = MemoryMonitor(interval=0.05)
 
     @oom_retry(batch_size=START_BATCH, on_retry=lambda attempt: say(retry_line(attempt)))
     def train_epoch(batch_size: int) -> float:
         epoch, attempted[0] = epoch_number[0], batch_size
         batches = math.ceil(SAMPLES / batch_size)
         loss = float("nan")
-        with memory_scope(f"epoch {epoch}", track_tensors=True) as scope:
-            for index in range(batches):
-                loss = flavour.step(index * batch_size, min(SAMPLES, (index + 1) * batch_size))
-                _progress(epoch, epochs, index + 1, batches, loss)
+        with memory_scope(f"epoch {epoch}, batch {batch_size}", track_tensors=True) as scope:
+            try:
+                for index in range(batches):
+                    loss = flavour.step(index * batch_size,
+                                        min(SAMPLES, (index + 1) * batch_size))
+                    _progress(epoch, epochs, index + 1, batches, loss)
+            except Exception as exc:
+                # Marked where it happens, inside the epoch: oom_retry's own mark comes
+                # after the scope's exit.
+                if is_oom_error(exc) or any(text in str(exc) for text in DISGUISED_OOM):
+                    asked = requested_bytes(exc)
+                    monitor.mark(f"out of memory: batch {batch_size}" + (
+                        f" asked {format_bytes(asked)}" if asked is not None else ""))
+                raise
         scopes.append(scope)
         return loss
 
     ok = True
-    ceiling = _ceiling(flavour.limit_device, budget)
-    with MemoryMonitor(interval=0.05) as monitor, memory_limit(budget, flavour.limit_device):
+    with monitor, memory_limit(budget, flavour.limit_device):
         for epoch in range(1, epochs + 1):
             epoch_number[0] = epoch
-            monitor.mark(f"epoch {epoch}")
             try:
                 train_epoch()
             except MemoryError as exc:
@@ -204,29 +293,43 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
             f"{device} +{format_bytes(n)}" for device, n in creep.items()))
     ok = (ok and train_epoch.batch_size is not None and not creep and not leaked
           and len(scopes) == epochs)
-    if plot:
-        try:
-            monitor.plot(plot, title=f"memguard demo: {framework} on {flavour.device}",
-                         lines=ceiling)
-            say(f"timeline written to {plot}")
-        except ImportError as exc:
-            say(f"no timeline: {exc}")
-    say(f"{'everything held' if ok else 'something did not hold'} "
-        f"({time.perf_counter() - started:.1f} s)")
-    return 0 if ok else 1
+    # The timeline shows each out-of-memory where it happened (inside its epoch), not where
+    # oom_retry noted it, after the epoch's exit.
+    marks = [mark for mark in monitor.marks if not mark[1].startswith("OOM at ")]
+    return DemoRun(framework, flavour.device, budget, ok, train_epoch.batch_size, scopes, monitor,
+                   marks, _ceiling(flavour.limit_device, budget))
+
+
+def timeline(result: DemoRun) -> Any:
+    """The demo's timeline as a matplotlib ``Figure``: memory per device, and on the host the
+    virtual size against the address-space limit the budget set; every mark in the order
+    things happened.
+
+    Args:
+        result: what :func:`train` returned.
+
+    Returns:
+        the ``Figure`` (``ImportError`` without matplotlib).
+
+    >>> timeline(train(768 << 20, epochs=1)).savefig("demo.png")  # doctest: +SKIP
+    """
+    title = (f"memguard demo: {result.framework} on {result.device}, "
+             f"memory_limit {format_bytes(result.budget)}")
+    return result.monitor.figure(title=title, lines=result.lines, marks=result.marks)
 
 
 def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]:
-    """The budget as a horizontal line for the timeline: on the host, the resident set at
-    the start plus the budget (the limit is on address space, which the resident set cannot
-    outgrow); on CUDA, the budget itself."""
-    from .snapshot import snapshot
-
+    """The budget as a horizontal line where it caps what is drawn: on CUDA, the memory
+    fraction caps the caching allocator's reserved memory. On the host the budget is a limit
+    on address space, which the monitor draws itself against the virtual size (the resident
+    set, never near it, would put a line where nothing happens)."""
     if limit_device == "host":
-        start = snapshot(["host"])["host"].reserved or 0
-        return {"host": [(start + budget, f"budget: start + {format_bytes(budget)}")]}
+        return {}
+    from .snapshot import snapshot  # pragma: gpu
+
     devices = [d for d in snapshot().devices if d.startswith("cuda")]  # pragma: gpu
-    return {devices[0]: [(budget, f"budget {format_bytes(budget)}")]} if devices else {}
+    return ({devices[0]: [(budget, f"memory_limit {format_bytes(budget)} (caps reserved)")]}
+            if devices else {})  # pragma: gpu
 
 
 def _creep(scopes: list[MemoryScope]) -> dict[str, int]:

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import csv
+import logging
+import math
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from ._checks import positive_int, positive_number
 from ._events import listen, unlisten
 from ._locks import ForkSafeLock
-from .backends import DeviceMemory, Devices, Reading, resolve_devices
-from .cleanup import Pairs, read_all
+from .backends import UNKNOWN, DeviceMemory, Devices, Reading, resolve_devices
+from .backends.host import HOST, address_space
+from .cleanup import Pairs, Readings
 
-MAX_LISTED_MARKS = 40  # marks listed beside a plot; later ones are counted
+log = logging.getLogger("memguard")
+
+MAX_LISTED_MARKS = 40  # marks numbered on a plot and listed beside it; the rest are bare lines
+_LABEL_ROWS = 3  # rows the numbers of marks are staggered in
+_LABEL_PX = 22  # room one number takes across, in pixels at 100 dpi
+_LISTED_CHARS = 48  # a mark's label beside the plot is cut to this
+
+# (virtual size, soft RLIMIT_AS, who set it) at one sample; None where no limit was in force
+Space = Optional[tuple[int, int, str]]
 
 
 class MemoryMonitor:
@@ -24,39 +35,64 @@ class MemoryMonitor:
     microseconds a device); ``peak`` maps each device to the highest level seen (the resident
     set on the host, ``allocated`` on devices); ``mark(label)`` adds a labelled moment, and
     scopes and ``oom_retry`` attempts inside a running monitor add their own. The thread
-    stops within one interval of ``stop()``, also when the body raised.
+    stops within one interval of ``stop()``, also when the body raised. While a soft
+    ``RLIMIT_AS`` is in force (:func:`memguard.memory_limit` on the host), each sample also
+    holds the process's virtual size and that limit (:meth:`address_space`): the limit
+    counts address space, which the resident set does not show.
+
+    A device that cannot be read gives ``None`` figures in its samples: the first failure is
+    logged as a warning, later ones are counted in ``failed_readings`` (device -> count) and
+    logged once, as a count, when the monitor stops.
 
     Memory stays bounded on runs of any length: at ``max_samples`` samples (about 520 bytes
     each with one device) adjacent samples merge in pairs, halving the resolution of the
     whole timeline, and later readings fold into samples of that coarser step. A merged
     sample keeps the larger ``allocated`` and ``reserved`` of the two (a spike is never
-    lost) and the later time (the last sample is always the latest reading). Marks and
-    ``peak`` are kept in full.
+    lost) and the later time (the last sample is always the latest reading). Marks are
+    bounded by ``max_marks`` (about 150 bytes each): past it, the first ``max_marks // 2``
+    and the latest stay, and ``marks_dropped`` counts those dropped between them. ``peak``
+    is kept in full.
+
+    Args:
+        interval: seconds between samples.
+        devices: the devices to watch (a name, a list of names, or ``None`` for all).
+        max_samples: the most samples kept (at least 2).
+        max_marks: the most marks kept (at least 2).
 
     >>> import memguard
-    >>> with memguard.MemoryMonitor(interval=0.01, max_samples=1000) as mon:
-    ...     mon.mark("start")
-    >>> mon.marks[0][1]
-    'start'
+    >>> with memguard.MemoryMonitor(interval=0.01, max_samples=1000, max_marks=10) as mon:
+    ...     for step in range(20):
+    ...         mon.mark(f"step {step}")
+    >>> [label for _, label in mon.marks][4:6], mon.marks_dropped
+    (['step 4', 'step 15'], 10)
     >>> len(mon.samples) <= 1000
     True
     """
 
     def __init__(self, interval: float = 0.1, devices: Devices = None,
-                 max_samples: int = 100_000) -> None:
+                 max_samples: int = 100_000, max_marks: int = 10_000) -> None:
         self.interval = positive_number(interval, "interval", unit="seconds",
                                         who="MemoryMonitor", hint="; for example interval=0.1")
         positive_int(max_samples, "max_samples", minimum=2, who="MemoryMonitor",
                      hint="; the default, 100000, is about 50 MiB")
+        positive_int(max_marks, "max_marks", minimum=2, who="MemoryMonitor",
+                     hint="; the default, 10000, is about 1.5 MiB")
         self.devices = devices
         self.max_samples = max_samples
+        self.max_marks = max_marks
         self.samples: list[tuple[float, dict[str, DeviceMemory]]] = []
+        self._space: list[Space] = []  # beside samples, one for one
         self._stride = 1  # readings per sample (doubles at each halving)
         self._filled = 0  # readings folded into the last sample
         self.marks: list[tuple[float, str]] = []
+        self.marks_dropped = 0
+        self._dropped_between: Optional[tuple[float, float]] = None
+        self.failed_readings: dict[str, int] = {}
+        self._readings = 0
         self.peak: dict[str, int] = {}
         self.started: Optional[float] = None
         self._pairs: Pairs = []
+        self._host = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = ForkSafeLock()
@@ -67,6 +103,8 @@ class MemoryMonitor:
         if self._thread is not None:
             raise RuntimeError("MemoryMonitor is already running")
         self._pairs = resolve_devices(self.devices)
+        self._host = any(device == HOST for _, device in self._pairs)
+        self.failed_readings, self._readings = {}, 0
         self._stop.clear()
         self.started = time.time()
         self._sample()
@@ -84,6 +122,9 @@ class MemoryMonitor:
         self._stop.set()
         thread.join()
         self._sample()
+        for device, failed in self.failed_readings.items():
+            log.warning("MemoryMonitor: reading %s failed %d time%s of %d", device, failed,
+                        "" if failed == 1 else "s", self._readings)
 
     def __enter__(self) -> "MemoryMonitor":
         return self.start()
@@ -102,39 +143,79 @@ class MemoryMonitor:
             if due <= now:
                 due = now + self.interval
 
+    def _read(self) -> Readings:
+        """A fast reading of each watched device; one that fails reads as unknown, is logged
+        the first time and counted after that."""
+        out: Readings = {}
+        for backend, device in self._pairs:
+            try:
+                out[device] = backend.read_fast(device)
+            except Exception as exc:  # noqa: BLE001 - a failed reading must not end the timeline
+                out[device] = UNKNOWN
+                with self._lock:
+                    failed = self.failed_readings[device] = self.failed_readings.get(device, 0) + 1
+                if failed == 1:
+                    log.warning("MemoryMonitor: cannot read %s: %s (later failures are counted "
+                                "and reported when the monitor stops)", device, exc)
+        self._readings += 1
+        return out
+
     def _sample(self) -> None:
         now = time.time()
-        readings = read_all(self._pairs)
+        readings = self._read()
+        space = address_space() if self._host else None
         memory = {d: DeviceMemory(d, allocated=r.allocated, reserved=r.reserved)
                   for d, r in readings.items()}
         with self._lock:
-            self._record(now, memory)
+            self._record(now, memory, space)
             for backend, device in self._pairs:
                 level = backend.level(readings[device])
                 if level is not None and level > self.peak.get(device, -1):
                     self.peak[device] = level
 
-    def _record(self, now: float, memory: dict[str, DeviceMemory]) -> None:
+    def _record(self, now: float, memory: dict[str, DeviceMemory], space: Space = None) -> None:
         """Add a reading to the timeline (the caller holds the lock): folded into the last
         sample until it holds ``_stride`` readings; at ``max_samples``, halve the resolution."""
         if self.samples and self._filled < self._stride:
             self.samples[-1] = (now, _merge(self.samples[-1][1], memory))
+            self._space[-1] = _merge_space(self._space[-1], space)
             self._filled += 1
         elif len(self.samples) < self.max_samples:
             self.samples.append((now, memory))
+            self._space.append(space)
             self._filled = 1
         else:
-            old = self.samples
+            old, spaces = self.samples, self._space
             odd = len(old) % 2  # an unpaired last sample keeps its readings and stays open
             pairs = zip(old[::2], old[1::2], strict=False)  # the odd one out is kept below
             self.samples[:] = [(b[0], _merge(a[1], b[1])) for a, b in pairs] + old[len(old) - odd:]
+            self._space[:] = [_merge_space(a, b) for a, b in zip(
+                spaces[::2], spaces[1::2], strict=False)] + spaces[len(spaces) - odd:]
             self._filled = self._stride * (1 if odd else 2)
             self._stride *= 2
-            self._record(now, memory)
+            self._record(now, memory, space)
 
     def mark(self, label: str) -> None:
-        """Add a labelled moment to the timeline (drawn as a vertical line by ``plot``)."""
+        """Add a labelled moment to the timeline (drawn as a vertical line by ``plot``).
+
+        At ``max_marks`` marks, the oldest of the latest ones is dropped (the first
+        ``max_marks // 2`` stay) and counted in ``marks_dropped``.
+
+        Args:
+            label: what happened (any object: kept as its ``str``).
+
+        >>> import memguard
+        >>> mon = memguard.MemoryMonitor()
+        >>> mon.mark("data loaded")
+        >>> mon.marks[-1][1]
+        'data loaded'
+        """
         with self._lock:
+            if len(self.marks) >= self.max_marks:
+                dropped = self.marks.pop(self.max_marks // 2)[0]
+                self.marks_dropped += 1
+                first = self._dropped_between[0] if self._dropped_between else dropped
+                self._dropped_between = (first, dropped)
             self.marks.append((time.time(), str(label)))
 
     # -- export --------------------------------------------------------------------------------
@@ -147,6 +228,12 @@ class MemoryMonitor:
                 "samples": [{"time": t, "devices": {d: m.to_dict() for d, m in mem.items()}}
                             for t, mem in self.samples],
                 "marks": [{"time": t, "label": label} for t, label in self.marks],
+                "marks_dropped": self.marks_dropped,
+                "failed_readings": dict(self.failed_readings),
+                "address_space": [{"time": t, "virtual": space[0], "limit": space[1],
+                                   "kind": space[2]}
+                                  for (t, _), space in zip(self.samples, self._space, strict=True)
+                                  if space is not None],
             }
 
     def to_csv(self, path: str) -> None:
@@ -176,58 +263,165 @@ class MemoryMonitor:
                             lines[field].append((t - start, value))
         return out
 
-    def plot(self, path: str, title: Optional[str] = None,
-             lines: Optional[dict[str, list[tuple[int, str]]]] = None) -> str:
-        """Write a PNG of allocated and reserved memory per device over time. Marks are
-        numbered vertical lines, listed with their times beside the plot (labels of marks
-        close together would overlap); ``lines`` draws horizontal lines per device
-        (``{"host": [(bytes, "budget")]}``). Needs matplotlib (``pip install
-        "memguard[plot]"``)."""
+    def address_space(self) -> list[tuple[float, int, int, str]]:
+        """The host's address space at each sample taken while a soft ``RLIMIT_AS`` was in
+        force: ``(seconds since start, virtual size, limit, kind)`` in bytes, ``kind`` being
+        ``"memory_limit"`` where :func:`memguard.memory_limit` set the limit, else
+        ``"RLIMIT_AS"``. Empty when the host is not watched or no such limit was in force.
+
+        Returns:
+            the samples, in time order.
+
+        >>> import time, memguard
+        >>> with memguard.MemoryMonitor(interval=0.01, devices="host") as mon:
+        ...     with memguard.memory_limit("4GiB", device="host"):
+        ...         time.sleep(0.05)
+        >>> seconds, virtual, limit, kind = mon.address_space()[-1]
+        >>> kind, limit - virtual <= 4 * 2**30
+        ('memory_limit', True)
+        """
+        start = self.started or 0.0
+        with self._lock:
+            return [(t - start, *space) for (t, _), space
+                    in zip(self.samples, self._space, strict=True) if space is not None]
+
+    def figure(self, title: Optional[str] = None,
+               lines: Optional[dict[str, list[tuple[int, str]]]] = None,
+               marks: Optional[Iterable[tuple[float, str]]] = None) -> Any:
+        """The timeline as a matplotlib ``Figure`` (what :meth:`plot` writes).
+
+        One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB. While
+        a soft ``RLIMIT_AS`` was in force, a "host address space" panel draws the virtual
+        size against that limit, which is what the limit counts. Marks are vertical lines
+        (one collection, fast for any number of them); up to ``MAX_LISTED_MARKS`` of them,
+        spread over the run so that their numbers never overlap, are numbered in time order
+        and listed with their times beside the plot; the count of the rest is listed too.
+
+        Args:
+            title: the title (default "memguard memory timeline").
+            lines: horizontal lines per panel, ``{"cuda:0": [(bytes, "budget")]}``.
+            marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
+
+        Returns:
+            a ``matplotlib.figure.Figure`` with its own Agg canvas (pyplot is not involved).
+
+        >>> import memguard
+        >>> with memguard.MemoryMonitor(interval=0.01) as mon:
+        ...     mon.mark("start")
+        >>> figure = mon.figure(title="a short run")  # doctest: +SKIP
+        >>> [text.get_text() for text in figure.axes[0].texts]  # doctest: +SKIP
+        ['1']
+        """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.collections import LineCollection
             from matplotlib.figure import Figure
+            from matplotlib.transforms import offset_copy
         except ImportError as exc:
             raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
                               ) from exc
         series = self.series()
+        space = self.address_space()
         lines = lines or {}
+        with self._lock:
+            chosen = list(self.marks if marks is None else marks)
+            dropped, between = self.marks_dropped, self._dropped_between
+        # Seconds since the start (a monitor never started: since its first mark).
+        start = self.started or min((t for t, _ in chosen), default=0.0)
+        times = sorted((t - start, str(label)) for t, label in chosen)
+        panels = list(series)
+        if space:
+            where = panels.index(HOST) + 1 if HOST in panels else len(panels)
+            panels.insert(where, "host address space")
         # A Figure with its own Agg canvas: pyplot's global state and the program's chosen
-        # backend stay as they are.
-        fig = Figure(figsize=(12, 3.4 * max(1, len(series))))
+        # backend stay as they are. Tall enough for the list of marks beside it.
+        listed_rows = min(len(times), MAX_LISTED_MARKS) + 4
+        height = max(3.4 * max(1, len(panels)), 0.6 + listed_rows * 7 * 1.3 / 72)
+        fig = Figure(figsize=(12, height))
         FigureCanvasAgg(fig)
-        axes = fig.subplots(len(series) or 1, 1, squeeze=False)
-        start = self.started or 0.0
-        marks = [(t - start, label) for t, label in self.marks]
-        for ax, (device, found) in zip(axes[:, 0], series.items(), strict=False):
-            for field, style in (("allocated", "-"), ("reserved", "--")):
-                if found[field]:
-                    xs, ys = zip(*found[field], strict=True)
-                    ax.plot(xs, [y / 2**20 for y in ys], style, label=field)
-            for level, label in lines.get(device, []):
+        axes = fig.subplots(len(panels) or 1, 1, squeeze=False, sharex=True)[:, 0]
+        for ax, panel in zip(axes, panels, strict=False):
+            if panel == "host address space":
+                _draw_address_space(ax, space)
+            else:
+                for field, style in (("allocated", "-"), ("reserved", "--")):
+                    if series[panel][field]:
+                        xs, ys = zip(*series[panel][field], strict=True)
+                        ax.plot(xs, [y / 2**20 for y in ys], style, label=field)
+                ax.set_ylabel(f"{panel} (MiB)")
+            for level, label in lines.get(panel, []):
                 ax.axhline(level / 2**20, color="tab:red", linewidth=1.2, linestyle=":",
                            label=label)
-            top = ax.get_ylim()[1]
-            for number, (t, _) in enumerate(marks, 1):
-                ax.axvline(t, color="grey", linewidth=0.6, alpha=0.5)
-                # Staggered in three rows, so neighbouring numbers do not collide.
-                ax.text(t, top * (0.98 - 0.07 * ((number - 1) % 3)), str(number), fontsize=7,
-                        ha="center", va="top", color="dimgrey",
-                        bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
-            ax.set_ylabel(f"{device} (MiB)")
-            ax.legend(loc="lower right", fontsize=8)
-        axes[-1, 0].set_xlabel("seconds")
+            if ax.has_data():
+                ax.legend(loc="lower right", fontsize=8)
+        axes[-1].set_xlabel("seconds")
         fig.suptitle(title or "memguard memory timeline")
-        if marks:
-            shown = marks[:MAX_LISTED_MARKS]
-            text = "\n".join(f"{n:>2}  {t:6.1f} s  {label[:38]}"
-                              for n, (t, label) in enumerate(shown, 1))
-            if len(marks) > len(shown):
-                text += f"\n... {len(marks) - len(shown)} more"
-            fig.text(0.735, 0.9, "marks\n" + text, fontsize=7, family="monospace", va="top")
-            fig.tight_layout(rect=(0, 0, 0.72, 1))
-        else:
-            fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.tight_layout(rect=(0, 0, 0.68, 1) if times else (0, 0, 1, 1))
+        if not times:
+            return fig
+        # Numbers go where the layout put the axes: spread so that none overlaps another.
+        top = axes[0]
+        low, high = top.get_xlim()
+        numbered = _spread([t for t, _ in times], low, high, top.get_window_extent().width)
+        rest = [t for i, (t, _) in enumerate(times) if i not in numbered]
+        faint = 0.3 if len(rest) < 200 else 0.12  # many lines would hide the data
+        for ax in axes:
+            for at, shade in ((rest, faint), ([times[i][0] for i in numbered], 0.6)):
+                if at:
+                    ax.add_collection(LineCollection(
+                        [[(x, 0), (x, 1)] for x in at], colors="grey", linewidths=0.6,
+                        alpha=shade, transform=ax.get_xaxis_transform(), zorder=1),
+                        autolim=False)
+            ax.set_xlim(low, high)
+        for number, (index, row) in enumerate(sorted(numbered.items()), 1):
+            # Rows a fixed number of points apart below the top, whatever the panel's height.
+            place = offset_copy(top.get_xaxis_transform(), fig=fig, y=-3 - 11 * row,
+                                units="points")
+            text = top.text(times[index][0], 1, str(number), fontsize=7, ha="center", va="top",
+                            color="dimgrey", transform=place,
+                            bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none",
+                                      alpha=0.8))
+            text.set_in_layout(False)
+        # Few marks: all listed in time order, those without a number beside the one before
+        # them. Many: the numbered ones, and a count of the rest.
+        digits = min(3, max(1, math.ceil(-math.log10(max(high - low, 1e-3) / 100))))
+        number_of = {index: n for n, index in enumerate(sorted(numbered), 1)}
+        shown = range(len(times)) if len(times) <= MAX_LISTED_MARKS else sorted(numbered)
+        listing = [f"{number_of.get(i, '-'):>2}  {times[i][0]:7.{digits}f} s  "
+                   f"{_cut(times[i][1])}" for i in shown]
+        if len(times) > len(shown):
+            listing.append(f"+ {len(times) - len(shown)} more marks (lines without numbers)")
+        if dropped and marks is None and between is not None:
+            listing.append(f"{dropped} marks dropped between {between[0] - start:.{digits}f} s "
+                           f"and {between[1] - start:.{digits}f} s (max_marks)")
+        fig.text(0.695, 0.9, "marks\n" + "\n".join(listing), fontsize=7, family="monospace",
+                 va="top")
+        return fig
+
+    def plot(self, path: str, title: Optional[str] = None,
+             lines: Optional[dict[str, list[tuple[int, str]]]] = None,
+             marks: Optional[Iterable[tuple[float, str]]] = None) -> str:
+        """Write the timeline of :meth:`figure` as a PNG: allocated and reserved memory per
+        device over time, the virtual size against a soft ``RLIMIT_AS`` while one was in
+        force, marks as lines, a bounded number of them numbered and listed beside the plot.
+        Needs matplotlib (``pip install "memguard[plot]"``).
+
+        Args:
+            path: the PNG file to write (its folder must exist).
+            title: the title (default "memguard memory timeline").
+            lines: horizontal lines per panel, ``{"cuda:0": [(bytes, "budget")]}``.
+            marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
+
+        Returns:
+            ``path``.
+
+        >>> import memguard
+        >>> with memguard.MemoryMonitor(interval=0.01) as mon:
+        ...     mon.mark("start")
+        >>> mon.plot("timeline.png")  # doctest: +SKIP
+        'timeline.png'
+        """
+        self.figure(title, lines, marks).savefig(path, dpi=100)
         return path
 
     def to_tensorboard(self, writer: Any, prefix: str = "memory") -> int:
@@ -264,3 +458,53 @@ def _merge(a: dict[str, DeviceMemory], b: dict[str, DeviceMemory]) -> dict[str, 
             high = Reading(old.allocated, old.reserved).higher(Reading(m.allocated, m.reserved))
             out[device] = DeviceMemory(device, allocated=high.allocated, reserved=high.reserved)
     return out
+
+
+def _merge_space(a: Space, b: Space) -> Space:
+    """Two address-space readings as one: the larger virtual size, the tighter limit."""
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a[0], b[0]), *min(a[1:], b[1:])
+
+
+def _draw_address_space(ax: Any, space: list[tuple[float, int, int, str]]) -> None:
+    """The virtual size and the soft ``RLIMIT_AS`` over time, in MiB, on ``ax``."""
+    xs = [t for t, *_ in space]
+    ax.plot(xs, [vm / 2**20 for _, vm, _, _ in space], "-", color="tab:purple",
+            label="virtual size")
+    kinds = sorted({kind for *_, kind in space if kind != "RLIMIT_AS"})
+    ax.step(xs, [limit / 2**20 for _, _, limit, _ in space], where="post", color="tab:red",
+            linewidth=1.2, linestyle=":", label="soft RLIMIT_AS" + "".join(
+                f" (set by {kind})" for kind in kinds))
+    ax.set_ylabel("host address space (MiB)")
+
+
+def _spread(xs: list[float], low: float, high: float, width_px: float) -> dict[int, int]:
+    """Which of the sorted ``xs`` get a number, and in which row: ``{index: row}``, at most
+    ``MAX_LISTED_MARKS``, no two closer than a number's width in one row, and spread over the
+    whole span when there are more marks than numbers."""
+    span = max(high - low, 1e-9)
+    gap = span * _LABEL_PX / max(width_px, 1.0)  # within a row
+    step = 0.0  # between any two numbers
+    if len(xs) > MAX_LISTED_MARKS:
+        step = span / MAX_LISTED_MARKS
+        gap = max(gap, step * _LABEL_ROWS)
+    last = [-math.inf] * _LABEL_ROWS
+    previous = -math.inf
+    chosen: dict[int, int] = {}
+    for index, x in enumerate(xs):
+        if len(chosen) == MAX_LISTED_MARKS:
+            break
+        if x - previous < step or not low <= x <= high:
+            continue
+        row = next((r for r in range(_LABEL_ROWS) if x - last[r] >= gap), None)
+        if row is not None:
+            last[row] = previous = x
+            chosen[index] = row
+    return chosen
+
+
+def _cut(label: str) -> str:
+    """A mark's label for the list beside the plot: one line, at most ``_LISTED_CHARS``."""
+    label = " ".join(label.split())
+    return label if len(label) <= _LISTED_CHARS else label[:_LISTED_CHARS - 3] + "..."

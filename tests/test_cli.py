@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -63,7 +64,7 @@ def test_watch_of_a_missing_process():
     ("watch", "--interval", "0"), ("watch", "--count", "x"), ("demo", "--budget", "lots"),
     ("demo", "--framework", "jax"), ("frobnicate",), (),
     ("watch", "--interval", "nan", "--count", "2"), ("watch", "--interval", "inf", "--count", "2"),
-    ("demo", "--budget", "0"),
+    ("demo", "--budget", "0"), ("demo", "--plot", "/no/such/folder/demo.png"),
 ])
 def test_bad_arguments_exit_2_without_a_traceback(args):
     result = memguard(*args)
@@ -116,3 +117,63 @@ def test_the_demo_prints_the_size_oom_retry_runs_next_whatever_the_factor():
     assert [line.split("; ")[-1] for line in lines] == ["memory freed, retrying at batch_size=16",
                                                         "memory freed, retrying at batch_size=4"]
     assert lines[0].startswith("  out of memory at batch_size=64 after ")
+
+
+def test_demo_checks_the_plot_path_before_training(tmp_path):
+    missing = tmp_path / "no-such-folder" / "demo.png"
+    result = memguard("demo", "--plot", str(missing), timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stdout == ""  # refused before the demo started: nothing trained
+    assert (f"memguard demo: error: argument --plot: cannot write the timeline to "
+            f"'{missing}': the folder '{missing.parent}' does not exist; create it first or "
+            f"choose another --plot PATH") in result.stderr
+    folder = memguard("demo", "--plot", str(tmp_path), timeout=60)
+    assert folder.returncode == 2 and "it is a folder" in folder.stderr
+
+
+DEMO_TIMELINE = """
+    import json
+    from memguard import demo
+
+    said = []
+    result = demo.train(768 << 20, "torch", epochs=2,
+                        say=lambda text="", **_: said.append(text))
+    figure = demo.timeline(result)
+    panels = {ax.get_ylabel(): {line.get_label(): [float(y) for y in line.get_ydata()]
+                                for line in ax.get_lines()} for ax in figure.axes}
+    numbers = [t for t in figure.axes[0].texts if t.get_text().isdigit()]
+    renderer = figure.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in numbers]
+    overlaps = sum(bool(a.overlaps(b)) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    listing = figure.texts[-1].get_text().splitlines()[1:]
+    print(json.dumps({"ok": result.ok, "title": figure.get_suptitle(), "panels": panels,
+                      "numbers": len(numbers), "overlaps": overlaps, "listing": listing,
+                      "marks": [label for _, label in result.monitor.marks]}))
+"""
+
+
+@pytest.mark.slow
+def test_the_demo_timeline_draws_the_budget_it_sets_and_marks_in_true_order(
+        python_in_subprocess):
+    out = python_in_subprocess(DEMO_TIMELINE, timeout=300)
+    assert out["ok"]
+    assert out["title"] == "memguard demo: torch on cpu, memory_limit 768.0 MiB"
+    # The budget limits address space: drawn against the virtual size, not the resident set.
+    assert set(out["panels"]) == {"host (MiB)", "host address space (MiB)"}
+    assert set(out["panels"]["host (MiB)"]) == {"allocated", "reserved"}
+    space = out["panels"]["host address space (MiB)"]
+    assert set(space) == {"virtual size", "soft RLIMIT_AS (set by memory_limit)"}
+    (limit,) = set(space["soft RLIMIT_AS (set by memory_limit)"])  # one limit, the budget's
+    virtual = space["virtual size"]
+    assert max(virtual) < limit and limit - max(virtual) < 768  # approaches, never crosses
+    # Every mark once, in the order things happened: the out-of-memory inside its epoch.
+    labels = [re.sub(r"^ *(\d+|-) +[\d.]+ s  ", "", row) for row in out["listing"]]
+    assert labels[0] == "enter memory_scope 'epoch 1, batch 32768'"
+    assert labels[1].startswith("out of memory: batch 32768 asked ")
+    assert labels[2:] == ["exit memory_scope 'epoch 1, batch 32768'",
+                          "enter memory_scope 'epoch 1, batch 16384'",
+                          "exit memory_scope 'epoch 1, batch 16384'",
+                          "enter memory_scope 'epoch 2, batch 16384'",
+                          "exit memory_scope 'epoch 2, batch 16384'"]
+    assert "OOM at batch_size=32768" in out["marks"]  # oom_retry's own, for the summary
+    assert out["numbers"] >= 3 and out["overlaps"] == 0

@@ -124,3 +124,136 @@ def test_configure_allocator_warns_once_cuda_is_initialised(clean_alloc_env):
     torch.zeros(1, device="cuda")
     with pytest.warns(RuntimeWarning, match="cannot take effect"):
         memguard.configure_allocator(expandable_segments=True)
+
+
+LIMITS_IN_THREADS_AND_TASKS = """
+    import asyncio, json, resource, threading
+    import memguard
+    from memguard.backends.host import address_space_budget
+
+    GiB = 1 << 30
+
+    def soft():
+        value = resource.getrlimit(resource.RLIMIT_AS)[0]
+        return None if value == resource.RLIM_INFINITY else value
+
+    def budget():
+        found = address_space_budget()
+        return None if found is None else [found[0], found[1]]
+
+    def in_threads(first, second, exit_first):
+        # Two threads each open a limit; the main thread reads the limit after each step.
+        steps, sizes = [], {"a": first, "b": second}
+        go = {name: (threading.Event(), threading.Event()) for name in sizes}
+        done = {name: (threading.Event(), threading.Event()) for name in sizes}
+
+        def worker(name):
+            go[name][0].wait()
+            with memguard.memory_limit(sizes[name], device="host"):
+                done[name][0].set()
+                go[name][1].wait()
+            done[name][1].set()
+
+        threads = [threading.Thread(target=worker, args=(name,)) for name in sizes]
+        for thread in threads:
+            thread.start()
+        order = [("a", 0), ("b", 0), (exit_first, 1), ("b" if exit_first == "a" else "a", 1)]
+        for name, stage in order:
+            go[name][stage].set()
+            done[name][stage].wait()
+            steps.append([soft(), budget()])
+        for thread in threads:
+            thread.join()
+        return steps
+
+    def in_tasks(first, second, exit_first):
+        async def main():
+            steps, sizes = [], {"a": first, "b": second}
+            go = {name: (asyncio.Event(), asyncio.Event()) for name in sizes}
+            done = {name: (asyncio.Event(), asyncio.Event()) for name in sizes}
+
+            async def worker(name):
+                await go[name][0].wait()
+                with memguard.memory_limit(sizes[name], device="host"):
+                    done[name][0].set()
+                    await go[name][1].wait()
+                done[name][1].set()
+
+            tasks = [asyncio.create_task(worker(name)) for name in sizes]
+            order = [("a", 0), ("b", 0), (exit_first, 1),
+                     ("b" if exit_first == "a" else "a", 1)]
+            for name, stage in order:
+                go[name][stage].set()
+                await done[name][stage].wait()
+                steps.append([soft(), budget()])
+            await asyncio.gather(*tasks)
+            return steps
+        return asyncio.run(main())
+
+    out = {"before": soft()}
+    for how, run in (("threads", in_threads), ("tasks", in_tasks)):
+        for exit_first in ("a", "b"):
+            out[f"{how} wide first, {exit_first} exits first"] = run(2 * GiB, GiB, exit_first)
+            out[f"{how} narrow first, {exit_first} exits first"] = run(GiB, 2 * GiB, exit_first)
+    out["after"] = soft()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_limits_opened_in_threads_and_tasks_compose_whatever_the_exit_order(
+        python_in_subprocess):
+    out = python_in_subprocess(LIMITS_IN_THREADS_AND_TASKS)
+    assert out["before"] is None and out["after"] is None  # unlimited before and after
+    for how in ("threads", "tasks"):
+        for exit_first, still_open in (("a", "b"), ("b", "a")):
+            # a opens 2 GiB, then b opens 1 GiB: the tighter, b's, is in force.
+            wide, both, one_left, none_left = out[f"{how} wide first, {exit_first} exits first"]
+            assert wide[0] is not None and wide[1] == ["memory_limit", 2 * GiB]
+            assert both[0] < wide[0] and both[1] == ["memory_limit", GiB]
+            if still_open == "b":  # a closed first: b's limit stays in force
+                assert one_left == both, (how, exit_first)
+            else:  # b closed first: a's limit is back
+                assert one_left == wide, (how, exit_first)
+            assert none_left == [None, None], (how, exit_first)
+            # a opens 1 GiB, then b opens 2 GiB: a's stays in force while both are open.
+            narrow, both, one_left, none_left = out[f"{how} narrow first, "
+                                                     f"{exit_first} exits first"]
+            assert narrow[1] == ["memory_limit", GiB] and both == narrow
+            if still_open == "b":  # a closed first: b's own, wider limit is in force
+                assert one_left[1] == ["memory_limit", 2 * GiB], (how, exit_first)
+                assert 0.9 * GiB < one_left[0] - narrow[0] < 1.1 * GiB
+            else:
+                assert one_left == narrow, (how, exit_first)
+            assert none_left == [None, None], (how, exit_first)
+
+
+@pytest.mark.gpu
+def test_cuda_limits_opened_in_threads_compose_whatever_the_exit_order():
+    import threading
+
+    from memguard.backends import torch as torch_backend
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    before = torch_backend.memory_fraction(0)
+    for exit_first in ("wide", "narrow"):
+        sizes, seen = {"wide": 2 * GiB, "narrow": GiB}, []
+        opened = {name: threading.Event() for name in sizes}
+        close = {name: threading.Event() for name in sizes}
+
+        def worker(name, sizes=sizes, opened=opened, close=close):
+            with memguard.memory_limit(sizes[name], device="cuda:0"):
+                opened[name].set()
+                close[name].wait()
+
+        threads = {name: threading.Thread(target=worker, args=(name,)) for name in sizes}
+        for name in ("wide", "narrow"):
+            threads[name].start()
+            opened[name].wait()
+            seen.append(torch_backend.memory_fraction(0))
+        for name in (exit_first, "narrow" if exit_first == "wide" else "wide"):
+            close[name].set()
+            threads[name].join()
+            seen.append(torch_backend.memory_fraction(0))
+        left = sizes["narrow" if exit_first == "wide" else "wide"]
+        assert seen == pytest.approx([2 * GiB / total, GiB / total, left / total, before])

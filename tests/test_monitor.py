@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import memguard
+from memguard import backends
 
 MiB = 1 << 20
 
@@ -88,6 +90,19 @@ def test_csv_and_dict_exports(tmp_path):
     assert len(data["samples"]) == len(mon.samples)
 
 
+def _numbers(ax):
+    """The mark numbers drawn on ``ax``, as ``{number: x}``."""
+    return {int(t.get_text()): t.get_position()[0] for t in ax.texts if t.get_text().isdigit()}
+
+
+def _mark_lines(ax):
+    """The x of every vertical mark line drawn on ``ax`` (marks are line collections)."""
+    from matplotlib.collections import LineCollection
+
+    return sorted(segment[0][0] for c in ax.collections if isinstance(c, LineCollection)
+                  for segment in c.get_segments())
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     with memguard.MemoryMonitor(interval=0.01) as mon:
@@ -98,6 +113,98 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "timeline.png"
     assert mon.plot(str(path)) == str(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    figure = mon.figure(title="one spike")
+    ax = figure.axes[0]
+    assert ax.get_ylabel() == "host (MiB)" and figure.get_suptitle() == "one spike"
+    drawn = {line.get_label(): line for line in ax.get_lines()}
+    series = mon.series()["host"]
+    for field in ("allocated", "reserved"):
+        assert list(drawn[field].get_xdata()) == pytest.approx([t for t, _ in series[field]])
+        assert list(drawn[field].get_ydata()) == pytest.approx(
+            [v / MiB for _, v in series[field]])
+    assert max(drawn["allocated"].get_ydata()) - min(drawn["allocated"].get_ydata()) > 40
+    spike = mon.marks[0][0] - mon.started
+    assert _mark_lines(ax) == pytest.approx([spike])
+    assert _numbers(ax) == pytest.approx({1: spike})
+    listing = "\n".join(text.get_text() for text in figure.texts)
+    assert "1" in listing and "spike" in listing
+
+
+def test_plot_of_a_monitor_that_never_ran(tmp_path):
+    pytest.importorskip("matplotlib")
+    mon = memguard.MemoryMonitor()
+    mon.mark("before any sample")  # seconds count from the first mark, not from 1970
+    assert mon.plot(str(tmp_path / "idle.png")).endswith("idle.png")
+    figure = mon.figure()
+    assert _mark_lines(figure.axes[0]) == [0.0] and _numbers(figure.axes[0]) == {1: 0.0}
+
+
+def test_a_failing_reading_is_logged_once_then_counted(monkeypatch, caplog):
+    def unreadable(device="host"):
+        raise OSError(5, "Input/output error", "/proc/self/statm")
+
+    monkeypatch.setattr(backends.host, "read_fast", unreadable)
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        with memguard.MemoryMonitor(interval=0.01, devices="host") as mon:
+            time.sleep(0.3)
+    messages = [r.getMessage() for r in caplog.records if r.name == "memguard"]
+    assert len(mon.samples) >= 10
+    assert all(mem["host"].reserved is None for _, mem in mon.samples)
+    assert len(messages) == 2, f"{len(messages)} warnings: {messages[:3]}..."
+    failed = mon.failed_readings["host"]
+    assert failed >= len(mon.samples)
+    assert messages[0].startswith("MemoryMonitor: cannot read host: [Errno 5] Input/output "
+                                  "error: '/proc/self/statm'")
+    assert messages[1] == f"MemoryMonitor: reading host failed {failed} times of {failed}"
+
+
+def test_marks_are_bounded_keeping_the_first_and_the_latest():
+    with memguard.MemoryMonitor(interval=0.05, max_marks=100) as mon:
+        for i in range(1000):
+            with memguard.memory_scope(f"s{i}"):
+                pass
+    labels = [label for _, label in mon.marks]
+    assert len(labels) == 100 and mon.marks_dropped == 1900
+    assert labels[:2] == ["enter memory_scope 's0'", "exit memory_scope 's0'"]
+    assert labels[49] == "exit memory_scope 's24'"
+    assert labels[50] == "enter memory_scope 's975'"  # the latest 50 of 2000
+    assert labels[-1] == "exit memory_scope 's999'"
+    times = [t for t, _ in mon.marks]
+    assert times == sorted(times)
+    assert mon.to_dict()["marks_dropped"] == 1900
+    with pytest.raises(ValueError, match="max_marks must be an int >= 2, got 1"):
+        memguard.MemoryMonitor(max_marks=1)
+
+
+@pytest.mark.slow
+def test_plot_of_ten_thousand_marks_is_fast_and_legible(tmp_path):
+    pytest.importorskip("matplotlib")
+    with memguard.MemoryMonitor(interval=0.01) as mon:
+        for i in range(10_000):
+            mon.mark(f"enter memory_scope 'step {i}'")
+            if i % 50 == 0:
+                time.sleep(0.002)
+    assert len(mon.marks) == 10_000
+    started = time.perf_counter()
+    path = mon.plot(str(tmp_path / "many.png"))
+    seconds = time.perf_counter() - started
+    assert seconds < 8, f"plot of 10,000 marks took {seconds:.1f} s"  # 21 s when drawn one by one
+    assert (tmp_path / "many.png").stat().st_size > 5000 and path.endswith("many.png")
+    figure = mon.figure()
+    ax = figure.axes[0]
+    assert len(_mark_lines(ax)) == 10_000  # every mark is a line, in a few collections
+    assert len(ax.collections) <= 2
+    numbers = _numbers(ax)
+    assert 5 <= len(numbers) <= memguard.monitor.MAX_LISTED_MARKS
+    assert sorted(numbers) == list(range(1, len(numbers) + 1))
+    xs = [numbers[n] for n in sorted(numbers)]
+    assert xs == sorted(xs)  # numbered in time order
+    renderer = figure.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts if t.get_text().isdigit()]
+    overlapping = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+    assert not overlapping
+    listing = "\n".join(text.get_text() for text in figure.texts)
+    assert f"{10_000 - len(numbers)} more marks" in listing
 
 
 def test_plot_without_matplotlib_names_the_extra(python_in_subprocess):

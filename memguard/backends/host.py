@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from typing import Any, Optional
@@ -194,43 +195,58 @@ def _vm_size() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def limit_address_space(limit: int) -> tuple[int, int]:
-    """Set a soft ``RLIMIT_AS`` at the current virtual size + ``limit``, never wider than the
-    one in force (a limit inside a narrower one only narrows); return the previous
-    ``(soft, hard)`` limits for :func:`restore_address_space`."""
-    import resource
+def limit_address_space(limit: int) -> int:
+    """Open a soft ``RLIMIT_AS`` at the current virtual size + ``limit`` and return a token
+    for :func:`restore_address_space`.
 
-    previous = resource.getrlimit(resource.RLIMIT_AS)
-    base = _vm_size()
-    soft = base + limit
-    for bound in previous:
-        if bound != resource.RLIM_INFINITY:
-            soft = min(soft, bound)
-    hard = previous[1]
-    with _LIMITS_LOCK:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        if soft == previous[0] and _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
-            _MEMORY_LIMITS.append(_MEMORY_LIMITS[-1])  # a wider inner limit: the outer holds
-        else:
-            _MEMORY_LIMITS.append((soft, base))
-    return previous
-
-
-def restore_address_space(previous: tuple[int, int]) -> None:
-    """Put back the limits :func:`limit_address_space` replaced."""
+    Open limits compose, whichever thread or task opened them and whatever order they close
+    in: the tightest one open is in force (never wider than the limits found when the first
+    opened), and once the last closes the limits found then are back.
+    """
     import resource
 
     with _LIMITS_LOCK:
-        resource.setrlimit(resource.RLIMIT_AS, previous)
-        if _MEMORY_LIMITS:
-            _MEMORY_LIMITS.pop()
+        if not _OPEN_LIMITS:
+            _ORIGINAL[:] = [resource.getrlimit(resource.RLIMIT_AS)]
+        base = _vm_size()
+        soft = base + limit
+        for bound in _ORIGINAL[0]:
+            if bound != resource.RLIM_INFINITY:
+                soft = min(soft, bound)
+        token = next(_TOKENS)
+        _OPEN_LIMITS[token] = (soft, base)
+        _apply_limits()
+    return token
+
+
+def restore_address_space(token: int) -> None:
+    """Close the limit :func:`limit_address_space` opened as ``token``: the tightest of those
+    still open is in force, or, once none is, the limits found when the first opened."""
+    with _LIMITS_LOCK:
+        if _OPEN_LIMITS.pop(token, None) is not None:
+            _apply_limits()
+
+
+def _apply_limits() -> None:
+    """Set the kernel's limit from the open ones (the caller holds ``_LIMITS_LOCK``)."""
+    import resource
+
+    if not _OPEN_LIMITS:
+        resource.setrlimit(resource.RLIMIT_AS, _ORIGINAL[0])
+        return
+    soft = min(soft for soft, _ in _OPEN_LIMITS.values())
+    resource.setrlimit(resource.RLIMIT_AS, (soft, _ORIGINAL[0][1]))
 
 
 # -- budgets: what the process may still allocate on the host -----------------------------------
-# (soft RLIMIT_AS set by memory_limit, the virtual size when it was set), innermost last. The
-# limit is the process's: limits nest strictly (each exit undoes the latest entry), whichever
-# thread enters them; the lock keeps the list and the kernel's limit in step.
-_MEMORY_LIMITS: list[tuple[int, int]] = []
+# The limits memguard.memory_limit opened and has not closed: token -> (soft RLIMIT_AS, the
+# virtual size when it was set). RLIMIT_AS is one per process, while blocks open and close in
+# any order across threads and tasks: the kernel holds the tightest open one, and the limits
+# found when the first opened (_ORIGINAL) come back when the last closes. The lock keeps the
+# table and the kernel's limit in step.
+_OPEN_LIMITS: dict[int, tuple[int, int]] = {}
+_ORIGINAL: list[tuple[int, int]] = []
+_TOKENS = itertools.count(1)
 _LIMITS_LOCK = ForkSafeLock()
 
 
@@ -254,10 +270,32 @@ def address_space_budget() -> Optional[tuple[str, int, int]]:
         vm = _vm_size()
     except (ImportError, OSError, ValueError):
         return None
-    if _MEMORY_LIMITS and _MEMORY_LIMITS[-1][0] == soft:
-        base = _MEMORY_LIMITS[-1][1]
+    base = next((base for limit, base in list(_OPEN_LIMITS.values()) if limit == soft), None)
+    if base is not None:
         return "memory_limit", soft - base, vm - base
     return "RLIMIT_AS", soft, vm
+
+
+def address_space() -> Optional[tuple[int, int, str]]:
+    """The process's virtual size and the soft ``RLIMIT_AS`` in force, in bytes, and who set
+    that limit (``"memory_limit"`` or ``"RLIMIT_AS"``), or ``None`` when there is none (or
+    off Linux): the two figures to draw side by side, as the limit counts address space.
+
+    >>> address_space() is None or address_space()[0] > 0
+    True
+    """
+    try:
+        import resource
+
+        with _LIMITS_LOCK:  # the limit and who set it, read in step with memory_limit
+            soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+            ours = any(limit == soft for limit, _ in _OPEN_LIMITS.values())
+        if soft == resource.RLIM_INFINITY:
+            return None
+        vm = _vm_size()
+    except (ImportError, OSError, ValueError):
+        return None
+    return vm, soft, "memory_limit" if ours else "RLIMIT_AS"
 
 
 _CGROUP_ROOT = "/sys/fs/cgroup"
