@@ -42,7 +42,8 @@ from typing import Any, Generator, Iterator, NamedTuple, Optional
 import pytest
 
 from ._units import format_bytes, parse_optional_size, parse_size
-from .backends import check_devices, level_field
+from .backends import check_devices, level_field, resolve_devices
+from .cleanup import Readings, read_all
 from .scope import MemoryScope
 from .tensors import describe_leaks
 
@@ -59,6 +60,7 @@ _SCOPE = pytest.StashKey[MemoryScope]()
 _LIMITS = pytest.StashKey[Optional[Limits]]()
 _SECTIONS = pytest.StashKey[list[str]]()
 _MAX_LEAK = pytest.StashKey[Optional[int]]()
+_SESSION = pytest.StashKey["_Session"]()
 DEFAULT_MAX_LEAK = "1MiB"
 FRAMEWORKS = ("torch", "tensorflow")
 SECTION = "memguard"
@@ -82,16 +84,6 @@ def _warm_up() -> None:
         from .backends import torch_autograd
 
         torch_autograd.warm_up()
-
-
-def _settle_previous() -> None:
-    """Free what earlier tests left to be freed before a test's scope opens: the last
-    failure's ``sys.last_*`` (pytest drops them only once the next test runs) and garbage in
-    reference cycles, such as a failed or skipped test's traceback and the frames it holds."""
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-    gc.collect()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -143,7 +135,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "more than max_leak allocated on a device, or rises more than max_peak above its "
         "starting level")
     config.stash[_MAX_LEAK] = _global_max_leak(config)
-    config.pluginmanager.register(_Summary(), "memguard-summary")
+    config.stash[_SESSION] = _Session()
+    config.pluginmanager.register(config.stash[_SESSION], "memguard-session")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -225,7 +218,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
     fixture = item.stash.get(_SCOPE, None)
     if limits is None and fixture is None:
         return (yield)
-    _settle_previous()
+    session = item.config.stash[_SESSION]
+    session.settle(None if limits is None else limits.max_leak)
     _warm_up()
     # The verdict rests on a scope of its own that closes after the body returned, whenever
     # the test closes the fixture's scope: what the test's locals held is gone by then.
@@ -240,9 +234,11 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
     except BaseException:
         for scope in reversed(scopes):  # a failed test is not judged; its traceback holds
             scope.close(cleanup="never", judge=False)  # what a cleanup would have to free
+        session.done()
         raise
     for scope in reversed(scopes):
         scope.close()
+    session.done()
     if judge is None or limits is None:
         return result
     first = sorted(name for name in FRAMEWORKS if name in sys.modules and name not in imported)
@@ -269,14 +265,53 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
     return report
 
 
-class _Summary:
-    """The tests that exceeded their limits, gathered from the reports (on the controller too,
+class _Session:
+    """The plugin's record of a session: what earlier tests may have left to be freed, and
+    the tests that exceeded their limits (gathered from the reports, so on the controller too
     under pytest-xdist) for one line at the end of the session."""
 
     def __init__(self) -> None:
         self.exceeded: list[str] = []
+        self.readings: Optional[Readings] = None  # after the last guarded test
+        self.unsettled = True  # a test since then failed or was skipped in its body
+
+    def settle(self, limit: Optional[int]) -> None:
+        """Free what earlier tests left to be freed before a guarded test's scope opens, so
+        that it cannot cancel a leak out: the last failure's ``sys.last_*`` (pytest drops
+        them only inside the next test's call) and garbage in reference cycles, such as the
+        traceback of a failed or skipped test and the frames it holds. The full collection
+        (the dear part: tens to hundreds of ms) runs only when a test since the last guarded
+        one did not pass, or when the in-use bytes grew since then by more than the test's
+        ``limit`` or the backend's hold tolerance."""
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+                self.unsettled = True
+        if self.unsettled or self.readings is None or self._grown(limit):
+            gc.collect()
+        self.unsettled = False
+
+    def _grown(self, limit: Optional[int]) -> bool:
+        assert self.readings is not None
+        pairs = resolve_devices(None)
+        now = read_all(pairs)
+        for backend, device in pairs:
+            before = self.readings.get(device)
+            start = None if before is None else backend.in_use(before)
+            end = backend.in_use(now[device])
+            tolerance = backend.hold_tolerance if limit is None else min(
+                limit, backend.hold_tolerance)
+            if start is not None and end is not None and end - start > tolerance:
+                return True
+        return False
+
+    def done(self) -> None:
+        """Record the in-use bytes after a guarded test, which the next one settles against."""
+        self.readings = read_all(resolve_devices(None))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed or (report.skipped and report.when == "call"):
+            self.unsettled = True  # its traceback may hold what it allocated
         if report.when == "call" and report.failed and any(
                 title == SECTION for title, _ in report.sections):
             self.exceeded.append(report.nodeid)

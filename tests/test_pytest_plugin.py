@@ -302,20 +302,32 @@ def test_leaks_after_a_skip():
 
 
 @pytest.mark.memguard(max_leak="16MiB")
-def test_clean_at_the_end():
+def test_clean_after_the_leaks():
     torch.ones(64 * 2**20 // 4).sum()
+
+
+def test_passes_leaving_a_cycle():
+    node = {"data": torch.ones(64 * 2**20 // 4)}
+    node["self"] = node  # garbage once it returns, freed by the next full collection
+
+
+@pytest.mark.memguard(max_leak="16MiB")
+def test_leaks_after_a_cycle():
+    CACHE.append(torch.ones(32 * 2**20 // 4))
 """
 
 
 def test_a_leak_after_a_failed_or_skipped_test_is_judged_on_its_own_memory(pytester):
-    """Before: both 32 MiB leaks passed, cancelled out by the 64 MiB that the failed or
-    skipped test's traceback held and that was freed inside the next test's scope."""
+    """Before: the three 32 MiB leaks passed, cancelled out by the 64 MiB that the failed or
+    skipped test's traceback, or a cycle, held and that was freed inside the next test's
+    scope."""
     pytester.makepyfile(test_after=AFTER_A_FAILURE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=3, skipped=1)
+    result.assert_outcomes(passed=2, failed=4, skipped=1)
     out = result.stdout.str()
     assert "memguard: test_leaks_after_a_failure retained 3" in out
     assert "memguard: test_leaks_after_a_skip retained 3" in out
+    assert "memguard: test_leaks_after_a_cycle retained 3" in out
 
 
 LINALG = """
