@@ -490,3 +490,24 @@ def test_a_failure_has_its_own_report_section_and_a_line_in_the_session_summary(
     out = result.stdout.str()
     assert ("memguard: 2 tests exceeded their memory limits: test_leaky.py::test_leaks, "
             "test_leaky.py::test_unguarded_leak") in out
+
+
+def test_the_mkl_cache_is_turned_off_unless_the_environment_decides_or_torch_came_first(
+        pytester, monkeypatch):
+    pytester.makepyfile(test_env="""
+        import os
+
+        def test_reports_the_variable():
+            print("MKL_DISABLE_FAST_MM =", os.environ.get("MKL_DISABLE_FAST_MM"))
+    """)
+    monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    assert "MKL_DISABLE_FAST_MM = 1" in result.stdout.str()
+    assert "buffer cache is on" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", "-p", "torch")
+    assert "MKL_DISABLE_FAST_MM = None" in result.stdout.str()  # too late: torch came first
+    assert ("memguard: MKL's buffer cache is on (torch was imported before the plugin could "
+            "set MKL_DISABLE_FAST_MM)") in result.stdout.str()  # and the header says so
+    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "yes")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    assert "MKL_DISABLE_FAST_MM = yes" in result.stdout.str()
