@@ -437,7 +437,7 @@ def test_clean():
     ("pytest.ini", "[pytest]\nmemguard_max_leak = 8MiB\n"),
     ("setup.cfg", "[tool:pytest]\nmemguard_max_leak = 8MiB\n"),
     ("pyproject.toml", "[tool.pytest.ini_options]\nmemguard_max_leak = \"8MiB\"\n"),
-])
+], ids=["pytest.ini", "setup.cfg", "pyproject.toml"])
 def test_the_limit_comes_from_an_ini_file_and_the_command_line_overrides_it(pytester, name,
                                                                             text):
     pytester.makepyfile(test_bytes=BYTES_LEAK)
