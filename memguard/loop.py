@@ -482,7 +482,7 @@ class Loop:
                                 f"an out-of-memory; see that rank's log")
         if worst == GAVE_UP:
             if seconds is not None:
-                self._record_peer(seconds, None)
+                self._record_peer(seconds)
             raise exhausted(self.who, self.attempts,
                             " (another rank ran out of memory at its smallest size)")
         if worst == OK:
@@ -499,11 +499,11 @@ class Loop:
             self.waiting = True
             log.info("%s: another rank ran out of memory; waiting for it", self.who)
             return
-        upcoming = self.after_oom(agreed)
         if seconds is not None:  # this rank's attempt succeeded: its result is dropped
-            self._record_peer(seconds, upcoming)
-            self.redoing = upcoming is not None
-        elif upcoming is not None:
+            self._record_peer(seconds)
+        upcoming = self.after_oom(agreed)  # every rank decides on the same records
+        self.redoing = seconds is not None and upcoming is not None
+        if upcoming is not None:
             self.attempts[-1] = dataclasses.replace(self.attempts[-1], next_size=upcoming)
         if upcoming is None:
             self.done = True
@@ -525,10 +525,10 @@ class Loop:
         self.record(Attempt(size=self.size, ok=True, unit=self.unit, steps=self.steps(),
                             seconds=seconds))
 
-    def _record_peer(self, seconds: float, upcoming: Optional[int]) -> None:
+    def _record_peer(self, seconds: float) -> None:
         self.record(Attempt(size=self.size, ok=False, unit=self.unit, steps=self.steps(),
                             error="another rank ran out of memory", seconds=seconds,
-                            memory=safe_snapshot(), next_size=upcoming))
+                            memory=safe_snapshot()))
 
     def _wait(self) -> None:
         """This rank is done and a peer is redoing its attempt: join its agreements."""

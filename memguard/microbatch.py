@@ -138,7 +138,6 @@ class _Step(Loop):
             self.params += [t for t in state.extras.values() if t.requires_grad]
         self.entry: list[Any] = []
         self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
-        self.who = f"{cfg.name}()"
         self.ddp = training.ddp_of(cfg.model)
         world = torch_distributed.world()
         if self.ddp is not None and self.agreement.active and world is not None \
@@ -184,7 +183,7 @@ class _Step(Loop):
         return total
 
     def _backward(self, loss: Any, weight: float, total: Any) -> Any:
-        training.check_loss(loss, self.who)
+        training.check_loss(loss, f"{self.who}()")
         if not self.state.looked_outside and not self.cfg.sharded:
             self._look_outside(loss)
         return training.backward(loss, weight, self.cfg.scaler, total)
