@@ -130,7 +130,7 @@ class MemoryLimit:
     """
 
     def __init__(self, limit: Size, device: Optional[str] = None) -> None:
-        self.limit = parse_size(limit, "limit")
+        self.limit = parse_size(limit, "memory_limit: limit")
         if self.limit <= 0:
             raise ValueError(f"memory_limit: limit must be positive, got {limit!r}")
         self.device = _checked_device(device)

@@ -137,7 +137,7 @@ class MemoryScope:
         self.leaks: list[TensorInfo] = []
         self._tensors_before: dict[int, Any] = {}
         self.cleanup: Cleanup = cleanup_mode(cleanup, "memory_scope")
-        self.max_leak = parse_optional_size(max_leak, "max_leak")
+        self.max_leak = parse_optional_size(max_leak, "memory_scope: max_leak")
         self.before: Optional[MemorySnapshot] = None
         self.after: Optional[MemorySnapshot] = None
         self.peak: dict[str, Optional[int]] = {}
@@ -533,7 +533,7 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     positive_int(warmup, "warmup", minimum=0, who="frees_memory",
                  hint=" (the calls not judged for max_leak)")
     flag(track_tensors, "track_tensors", who="frees_memory")
-    limit = parse_optional_size(max_leak, "max_leak")
+    limit = parse_optional_size(max_leak, "frees_memory: max_leak")
 
     def decorate(f: F) -> F:
         shared = _FreesMemory(name_of(f), every, mode, limit,

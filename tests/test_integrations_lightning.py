@@ -130,6 +130,9 @@ def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(
             torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
 
     monkeypatch.setattr(memguard.cleanup, "Settler", Spy)
+    trainer(MemguardCallback(cleanup="always")).fit(Tiny(), DataLoader(DATA, batch_size=16))
+    assert settled  # the positive control: a fit that ends cleans up through the spy
+    settled.clear()
     callback = MemguardCallback(cleanup="always")
     with pytest.raises(RuntimeError) as caught:
         trainer(callback).fit(Fails(), DataLoader(DATA, batch_size=16))

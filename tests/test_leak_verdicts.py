@@ -135,23 +135,44 @@ def test_an_untouched_torch_empty_kept_in_a_global_is_caught():
 
 def test_the_auto_policys_back_off_never_decides_a_verdict():
     """Collections that kept proving useless are skipped for a while; a call that then leaves
-    100 MiB in a reference cycle (garbage, not a leak) must not be blamed for it."""
-    kept = []
+    100 MiB in a reference cycle (garbage, not a leak) must not be blamed for it, while one
+    that really keeps 100 MiB is."""
+    kept, full = [], []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
 
     @memguard.frees_memory(max_leak="16MiB", warmup=0)
-    def step(cycle: bool) -> None:
-        if cycle:
+    def step(kind: str) -> None:
+        if kind == "cycle":
             holder: list = [torch.ones(100 * MiB // 4)]
             holder.append(holder)
+        elif kind == "leak":
+            kept.append(torch.ones(100 * MiB // 4))
         else:
             kept.append(torch.ones(6 * MiB // 4))  # in use: collecting it is useless
 
     gc.disable()
+    gc.callbacks.append(count)
     try:
+        collections = []
         for _ in range(3):
-            step(False)  # two useless collections: the policy now skips the next 3
-        step(True)
+            full.clear()
+            step("in use")
+            collections.append(len(full))
+        # the precondition: a useless collection, one call skipped, another useless one:
+        # the policy now skips the next 3 calls
+        assert collections == [1, 0, 1], collections
+        full.clear()
+        step("cycle")  # backed off, yet the verdict collects before judging: no leak
+        assert full, "the verdict did not collect in full before judging"
+        for _ in range(3):
+            step("in use")
+        with pytest.raises(memguard.MemoryLeakError, match="retained 100"):
+            step("leak")  # the positive control, also while the policy backs off
     finally:
+        gc.callbacks.remove(count)
         gc.enable()
         kept.clear()
 

@@ -127,17 +127,31 @@ def test_factor_chooses_the_sizes_tried_and_each_failure_names_the_next():
 
 
 def test_auto_factor_measures_what_the_failed_call_asked_for():
+    from memguard.backends.budget import available
+
     seen = []
+    asked = 2 * available("host")  # twice what the host can give: about half of it fits
 
     def fn(batch):
+        seen.append(len(batch))
+        if len(batch) > 20:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to "
+                               f"allocate {asked} bytes. Error code 12 (Cannot allocate memory)")
+        return len(batch)
+
+    out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor="auto")
+    # 64 * 0.95 / 2 = 30: measured, neither halving's 32 nor the 0.25 floor's 16
+    assert 27 <= seen[1] <= 30, seen
+    assert out.history[0].next_size == seen[1] and sum(out) == 64
+
+    def huge(batch):
         seen.append(len(batch))
         oom_above(10, len(batch))  # asks for 16 TiB: far more than any budget here
         return len(batch)
 
-    out = memguard.map_batches(fn, list(range(64)), batch_size=64, factor="auto")
-    # the measured size is kept to a quarter at the least: not halving's 32
-    assert seen[:3] == [64, 16, 4] and sum(out) == 64
-    assert [a.next_size for a in out.history if not a.ok] == [16, 4]
+    seen.clear()
+    out = memguard.map_batches(huge, list(range(64)), batch_size=64, factor="auto")
+    assert seen[:3] == [64, 16, 4]  # the measured size is kept to a quarter at the least
 
     def unsized(batch):
         seen.append(len(batch))

@@ -80,12 +80,19 @@ def test_predict_returns_a_size_that_was_seen_to_fit_and_respects_max_batch_size
     def step(batch_size):
         sizes.append(batch_size)
         block = torch.ones(batch_size * 64 * 1024)  # 256 KiB per sample
-        if batch_size > 5000:
+        if batch_size > limit[0]:
             real_oom()
         del block
 
+    limit = [5000]
     found = memguard.find_batch_size(step, margin=0.0, start=4, mode="predict", max_batch_size=900)
     assert found == 900 and found in sizes and len(set(sizes)) <= 5
+    sizes.clear()
+    limit[0] = 700  # now the cap does not fit: the answer is a size seen to fit below it
+    found = memguard.find_batch_size(step, margin=0.0, start=4, mode="predict", max_batch_size=900)
+    failed = [a.size for a in found.history if not a.ok]
+    assert failed and min(failed) > 700, found.history
+    assert found <= 700 and found in sizes and found == max(a.size for a in found.history if a.ok)
     with pytest.raises(ValueError, match="'binsearch', 'power' or 'predict', got 'guess'"):
         memguard.find_batch_size(step, margin=0.0, mode="guess")
 

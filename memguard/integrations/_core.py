@@ -36,7 +36,7 @@ def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
     (67108864, False, 'auto', None)
     """
     who = "MemguardCallback"
-    return (parse_optional_size(max_leak, "max_leak"),
+    return (parse_optional_size(max_leak, f"{who}: max_leak"),
             flag(track_tensors, "track_tensors", who=who),
             cleanup_mode(cleanup, who),
             optional_positive_int(log_every_n_steps, "log_every_n_steps", who=who))
