@@ -17,11 +17,14 @@ microseconds, so the ``"auto"`` policy reads first and acts only on what it sees
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
+import signal
+import threading
 import traceback
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Iterable, Iterator, Literal, Optional
 
 from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
@@ -122,11 +125,36 @@ def free_memory(*, keras: bool = False) -> int:
     before = read_all(pairs)
     if keras:
         clear_keras_session()
-    gc.collect()
-    empty_caches(active_backends())
+    with interrupts_after():
+        gc.collect()
+        empty_caches(active_backends())
     freed = released(before, read_all(pairs))
     log.debug("free_memory released %d bytes", freed)
     return freed
+
+
+@contextlib.contextmanager
+def interrupts_after() -> Iterator[None]:
+    """Hold Ctrl-C back while the block runs and raise it once the block is over.
+
+    A collection runs finalisers (``__del__``, weakref callbacks); a ``KeyboardInterrupt``
+    raised inside one is printed as "Exception ignored in ..." and lost, so a program
+    interrupted while memguard cleans up would go on. Where Python's own SIGINT handler is
+    in force (the main thread), the signal is noted instead and ``KeyboardInterrupt`` is
+    raised when the block ends; elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def drop_frames(exc: BaseException) -> None:

@@ -285,3 +285,34 @@ def test_decorated_functions_are_typed_for_users(tmp_path):
     errors = [line for line in out.splitlines() if ": error:" in line]
     assert len(errors) == 1 and "user.py:15" in errors[0], out  # only the wrong annotation
     assert 'Revealed type is "list[memguard.loop.Attempt]"' in out, out
+
+
+# -- interrupts -----------------------------------------------------------------------------
+
+def test_ctrl_c_during_the_cleanup_between_attempts_stops_the_program(python_in_subprocess):
+    out = python_in_subprocess("""
+        import json, os, signal
+        import memguard
+
+        calls = []
+
+        class Interrupts:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while finalisers run
+
+        @memguard.oom_retry(batch_size=8)
+        def train(batch_size):
+            calls.append(batch_size)
+            cycle = [Interrupts()]
+            cycle.append(cycle)  # freed by the collection between attempts
+            raise MemoryError("out of memory")
+
+        try:
+            train()
+            outcome = "went on"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        after = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        print(json.dumps({"outcome": outcome, "calls": calls, "handler restored": after}))
+    """)
+    assert out == {"outcome": "interrupted", "calls": [8], "handler restored": True}
