@@ -187,3 +187,18 @@ def test_a_callable_factor_that_does_not_shrink_is_refused_when_used():
     with pytest.raises(ValueError, match="map_batches: min_batch_size=4 is larger than the "
                                          "starting batch_size=2"):
         memguard.map_batches(len, [1, 2], batch_size=2, min_batch_size=4)
+
+
+def test_a_generator_of_batches_gives_one_result_per_input_batch_even_when_split():
+    def batches():
+        for start in range(0, 32, 8):
+            yield torch.arange(start, start + 8, dtype=torch.float32)
+
+    def double(batch):
+        oom_above(3, len(batch))  # every batch of 8 is split into slices of 2
+        return batch * 2
+
+    out = memguard.map_batches(double, batches())
+    assert len(out) == 4  # not one per slice
+    assert torch.equal(torch.cat(out), torch.arange(32, dtype=torch.float32) * 2)
+    assert [a.size for a in out.history if not a.ok] == [8, 4]  # the size stays shrunk
