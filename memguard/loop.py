@@ -352,6 +352,7 @@ class Loop:
         self.retrying = False  # the last attempt failed somewhere: recover before the next
         self.waiting = False  # this rank is done, a peer is not ("wait" peers)
         self.redoing = False  # a peer's attempt failed: recover before the next
+        self.unused: Optional[AttemptBlock] = None  # the last block, until its with-block ends
         self.done = False
 
     # -- the driver's hooks ----------------------------------------------------------------
@@ -406,6 +407,9 @@ class Loop:
         return self
 
     def __next__(self) -> AttemptBlock:
+        if self.unused is not None:
+            raise RuntimeError(f"{self.who}: {self.unused!r} was never run; run each attempt's "
+                               f"work inside `with attempt:`")
         if self.waiting:
             self._wait()
         elif self.retrying:  # this rank ran out of memory
@@ -416,7 +420,8 @@ class Loop:
             self._announce(self.recover(True))
         if self.done:
             raise StopIteration
-        return AttemptBlock(self)
+        self.unused = AttemptBlock(self)
+        return self.unused
 
     def _begin(self) -> None:
         if self.gauge is not None:
@@ -435,6 +440,7 @@ class Loop:
         """The ``with attempt:`` block's exit, inside the exception handling: True
         suppresses an out-of-memory that the next step of the loop deals with."""
         seconds = time.perf_counter() - self.started
+        self.unused = None
         if exc is None:
             self.status, self.proposal = OK, NO_OPINION
             worst, agreed = self._agree(OK, NO_OPINION)

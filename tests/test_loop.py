@@ -316,3 +316,10 @@ def test_ctrl_c_during_the_cleanup_between_attempts_stops_the_program(python_in_
         print(json.dumps({"outcome": outcome, "calls": calls, "handler restored": after}))
     """)
     assert out == {"outcome": "interrupted", "calls": [8], "handler restored": True}
+
+
+def test_an_attempt_not_run_in_a_with_block_is_an_error_not_a_loop_for_ever():
+    loop = memguard.attempts(batch_size=8)
+    with pytest.raises(RuntimeError, match=r"was never run; run each attempt's work inside"):
+        for _attempt in loop:
+            pass
