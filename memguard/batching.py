@@ -120,7 +120,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
 
     key = None
     if sizes is not None:
-        key = size_key("find_batch_size", step, start)
+        key = size_key("find_batch_size", step, start, max_batch_size=max_batch_size, mode=mode,
+                       steps=steps, max_trials=max_trials)
         stored = sizes.get(key)
         if stored is not None and stored >= start:
             stored = stored if max_batch_size is None else min(stored, max_batch_size)

@@ -254,7 +254,7 @@ class _Run:
                       if cfg.cache and not self.recursive else None)
         self.key: Optional[str] = None
         if cfg.file is not None and not self.recursive:
-            self.key = size_key("oom_retry", cfg.func, self.requested)
+            self.key = size_key("oom_retry", cfg.func, self.requested, factor=cfg.factor)
             if cached is None:
                 stored = cfg.file.get(self.key)
                 cached = min(stored, self.requested) if stored is not None else None
