@@ -15,7 +15,7 @@ import math
 import os
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
@@ -498,7 +498,8 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
               sync: Sync = "auto", on_retry: Optional[Callable[[Attempt], Any]] = None,
-              snapshot_dir: Optional[str] = None, restore: Any = None) -> Any:
+              snapshot_dir: Optional[str] = None, restore: Any = None,
+              restore_to: Literal["auto", "memory", "file"] = "auto") -> Any:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -517,10 +518,17 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     (else ``ValueError`` naming the value).
 
     ``restore=(model, optimizer, ...)``: objects with ``state_dict``/``load_state_dict``
-    (modules, optimizers, LR schedulers, a ``GradScaler``) whose state, with a module's
-    gradients, is copied to host memory when the call begins (to a temporary file when
-    larger than half the host's available memory) and loaded back before each retry, so
-    every attempt starts from the state the first one did.
+    (modules, optimizers, LR schedulers, a ``GradScaler``; Keras models, with their compiled
+    optimizer's variables, and Keras optimizers) whose state, with a module's gradients, is
+    copied when the call begins and loaded back before each retry, so every attempt starts
+    from the state the first one did. ``restore_to="memory"`` keeps the copy in host memory
+    (as fast as a tensor copy; the state's size held for the whole call),
+    ``restore_to="file"`` writes it to a temporary file (``TMPDIR``) one tensor at a time
+    and reads a module's tensors straight back into place (no second copy in host memory;
+    the cost is writing the state once per call and reading it once per retry, at the
+    disk's speed), ``"auto"`` picks the file when the state exceeds half the host's
+    available memory. Restoring that runs out of memory raises :class:`OutOfMemoryError`
+    saying what it needed.
 
     ``cache`` may be a file path: the working sizes are then also kept in that JSON file,
     keyed by the function's qualified name, the start size and the device (name and total
@@ -569,7 +577,7 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     optional_positive_int(max_attempts, "max_attempts")
     if not isinstance(cache, bool):
         cache = check_path(cache)
-    objects = torch_state.check_restorable(restore)
+    objects = torch_state.check_restorable(restore, restore_to)
 
     def decorate(f: F) -> F:
         cfg = _Config(f, batch_size, arg, min_batch_size, factor, max_attempts,
