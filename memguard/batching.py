@@ -85,9 +85,10 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     the smallest size. When even ``start`` fails twice: :class:`OutOfMemoryError`.
 
     ``cache``, a file path: the size found is kept there (as ``oom_retry(cache=path)``
-    keeps its sizes: keyed by the step's qualified name, ``start`` and the device) and a
-    later search with the same key, in this process or a restarted one, returns it without
-    a trial. A corrupt or unreadable file is a warning.
+    keeps its sizes: keyed by the step's code, ``start``, ``max_batch_size``, ``mode``,
+    ``steps``, ``max_trials`` and the device) and a later search with the same key, in this
+    process or a restarted one, returns it without a trial. A file that is not memguard's is
+    never written (a warning says why).
 
     >>> import memguard
     >>> def step(batch_size):

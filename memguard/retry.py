@@ -531,11 +531,12 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     saying what it needed.
 
     ``cache`` may be a file path: the working sizes are then also kept in that JSON file,
-    keyed by the function's qualified name, the start size and the device (name and total
-    memory), written atomically under a lock so that several ranks or processes may share
-    it; a restarted job starts at the size that worked. A corrupt or unreadable file is a
-    warning. When the attempt at ``min_batch_size`` (or the ``max_attempts``-th)
-    fails too, :class:`OutOfMemoryError` lists every size tried with the memory at each
+    keyed by the function's code (:func:`memguard.sizes.code_identity`), the start size,
+    ``factor`` and the device, written atomically under a lock so that several ranks or
+    processes may share it; a restarted job starts at the size that worked. A file that is
+    not memguard's is never written (a warning says why; see
+    :class:`memguard.sizes.SizeFile`). When the attempt at ``min_batch_size`` (or the
+    ``max_attempts``-th) fails too, :class:`OutOfMemoryError` lists every size tried with the memory at each
     failure. ``keep_effective_batch=True`` also passes ``accumulation_arg =
     ceil(start / size)`` so that ``size * steps >= start`` (BatchNorm statistics still see
     the smaller batches). Each retry is logged at WARNING; ``on_retry(attempt)`` runs after
