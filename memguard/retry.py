@@ -536,11 +536,11 @@ def oom_retry(func: Optional[F] = None, /, *, batch_size: Optional[int] = None,
     processes may share it; a restarted job starts at the size that worked. A file that is
     not memguard's is never written (a warning says why; see
     :class:`memguard.sizes.SizeFile`). When the attempt at ``min_batch_size`` (or the
-    ``max_attempts``-th) fails too, :class:`OutOfMemoryError` lists every size tried with the memory at each
-    failure. ``keep_effective_batch=True`` also passes ``accumulation_arg =
-    ceil(start / size)`` so that ``size * steps >= start`` (BatchNorm statistics still see
-    the smaller batches). Each retry is logged at WARNING; ``on_retry(attempt)`` runs after
-    the cleanup, before the next attempt.
+    ``max_attempts``-th) fails too, :class:`OutOfMemoryError` lists every size tried with
+    the memory at each failure. ``keep_effective_batch=True`` also passes
+    ``accumulation_arg = ceil(start / size)`` so that ``size * steps >= start`` (BatchNorm
+    statistics still see the smaller batches). Each retry is logged at WARNING;
+    ``on_retry(attempt)`` runs after the cleanup, before the next attempt.
 
     In a distributed job (``sync="auto"`` with more than one rank, or ``sync=True``) every
     rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of

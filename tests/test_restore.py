@@ -108,9 +108,9 @@ def build():
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
     return model
 
-model, fresh, plain = build(), build(), build()
-fresh.set_weights(model.get_weights())
-plain.set_weights(model.get_weights())
+model, fresh, plain, filed = build(), build(), build(), build()
+for other in (fresh, plain, filed):
+    other.set_weights(model.get_weights())
 x = np.random.default_rng(1).normal(size=(128, 8)).astype("float32")
 y = np.random.default_rng(2).normal(size=(128, 1)).astype("float32")
 
@@ -124,11 +124,15 @@ def training(net):
 
 retried = memguard.oom_retry(batch_size=64, factor=0.25, restore=model)(training(model))
 size = retried()
+in_file = memguard.oom_retry(batch_size=64, factor=0.25, restore=filed,
+                             restore_to="file")(training(filed))
+in_file()
 training(fresh)(16)
 memguard.oom_retry(batch_size=64, factor=0.25)(training(plain))()  # control: no restore
 same = lambda a, b: all(np.array_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights()))
 print(json.dumps({"size": size, "tried": [a.batch_size for a in retried.history],
                   "equal": same(model, fresh), "control_equal": same(plain, fresh),
+                  "file_equal": same(filed, fresh),
                   "iterations": [int(m.optimizer.iterations.numpy()) for m in (model, fresh)]}))
 """
 
@@ -137,5 +141,5 @@ print(json.dumps({"size": size, "tried": [a.batch_size for a in retried.history]
 def test_restore_takes_a_keras_model_and_its_optimizer(python_in_subprocess):
     out = python_in_subprocess(script(KERAS), env=ENV, timeout=240)
     assert out["size"] == 16 and out["tried"] == [64, 16], out
-    assert out["equal"] and not out["control_equal"], out
+    assert out["equal"] and out["file_equal"] and not out["control_equal"], out
     assert out["iterations"] == [8, 8], out

@@ -51,6 +51,23 @@ def _optimizer_variables(optimizer: Any, trainable: Optional[list[Any]]) -> list
     return list(optimizer.variables)
 
 
+def nbytes(obj: Any) -> int:
+    """The bytes of the variables :func:`copy_state` would copy of ``obj`` (a variable whose
+    dtype numpy does not know counts 4 bytes an element)."""
+    import math
+
+    import numpy as np
+
+    total = 0
+    for v in _variables(obj):
+        try:
+            size = np.dtype(str(v.dtype)).itemsize
+        except TypeError:
+            size = 4
+        total += math.prod(int(d) for d in v.shape) * size
+    return total
+
+
 class KerasCopy:
     """The values of one Keras object's variables, in memory or in a file."""
 

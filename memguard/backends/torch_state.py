@@ -314,6 +314,7 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
     keras_objects = [o for o in objects if _keras(o)]
     live = [(obj.state_dict(), _live_grads(obj)) for obj in torch_objects]
     size = sum(_nbytes(s) + _nbytes(g or []) for s, g in live)
+    size += sum(keras_state.nbytes(o) for o in keras_objects)
     in_file = to == "file" or (to == "auto" and free_host is not None
                                and size > free_host // 2 and size > 0)
     others = [keras_state.copy_state(o, in_file) for o in keras_objects]
@@ -330,7 +331,7 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
     else:
         saved = SavedState(objects, [(_to_host(s), _to_host(g)) for s, g in live], None,
                            others)
-    saved.nbytes = size + sum(o.nbytes for o in others)
+    saved.nbytes = size
     return saved
 
 
