@@ -143,3 +143,32 @@ def test_restore_takes_a_keras_model_and_its_optimizer(python_in_subprocess):
     assert out["size"] == 16 and out["tried"] == [64, 16], out
     assert out["equal"] and out["file_equal"] and not out["control_equal"], out
     assert out["iterations"] == [8, 8], out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("to", ["memory", "file"])
+def test_restore_puts_cuda_state_back_in_place(to):
+    import torch
+
+    from memguard.backends import torch_state
+
+    model = torch.nn.Linear(256, 256).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    saved = torch_state.copy_states(torch_state.check_restorable((model, optimizer), to))
+    assert (saved.path is not None) == (to == "file")
+    optimizer.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+            p.grad.add_(1.0)
+    saved.load()
+    for p, w, g, m in zip(model.parameters(), weights, grads, moments, strict=True):
+        assert p.is_cuda and torch.equal(p, w) and torch.equal(p.grad, g)
+        assert optimizer.state[p]["exp_avg"].is_cuda and torch.equal(
+            optimizer.state[p]["exp_avg"], m)
+    saved.discard()

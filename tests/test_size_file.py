@@ -137,6 +137,26 @@ def test_a_size_file_never_breaks_a_call_under_warnings_as_errors(tmp_path, capl
     assert path.read_text() == '{"lr": 0.001}'
 
 
+def test_a_call_that_cannot_keep_its_size_returns_its_result_under_warnings_as_errors(
+        tmp_path, caplog):
+    path = tmp_path / "sizes.json"
+    SizeFile(path).put("another entry", 3)  # a size file when the call begins
+
+    @memguard.oom_retry(batch_size=64, cache=path)
+    def train(batch_size):
+        if batch_size > 20:
+            real_oom()
+        path.write_text('{"lr": 0.001}')  # meanwhile the path became someone else's file
+        return batch_size
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.WARNING, logger="memguard"):
+            assert train() == 16
+    assert path.read_text() == '{"lr": 0.001}'
+    assert any("not a memguard size file" in r.getMessage() for r in caplog.records)
+
+
 def test_the_warning_is_shown_once_and_not_also_logged(tmp_path, caplog):
     path = tmp_path / "config.json"
     path.write_text("{not json")
