@@ -255,7 +255,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     if not isinstance(cache, bool):
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore)
-    key = size_key(who, step, start) + f" max={max_batch_size} mode={mode} steps={steps}"
+    key = size_key(who, step, start, max_batch_size=max_batch_size, mode=mode, steps=steps,
+                   max_attempts=max_attempts)
     stored = _FOUND.get(key) if cache else None
     if stored is None and isinstance(cache, str):
         stored = SizeFile(cache).get(key)

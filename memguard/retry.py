@@ -9,7 +9,7 @@ import inspect
 import logging
 import math
 import os
-from typing import Any, Callable, Optional, Protocol, TypeVar, Union, overload
+from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, overload
 
 from ._decorate import function_kind, name_of, with_statistics
 from .backends import torch_state
@@ -22,6 +22,7 @@ from .sizes import SizeFile, check_path, size_key
 log = logging.getLogger("memguard")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+RestoreTo = Literal["auto", "memory", "file"]
 
 
 class RetryingFunction(Protocol[R_co]):
@@ -107,7 +108,7 @@ class _Run(Loop):
                 cached = state.cache.get(requested) if cfg.cache else None
                 state.history = self.attempts
             if cfg.file is not None:
-                self.key = size_key("oom_retry", cfg.func, requested)
+                self.key = size_key("oom_retry", cfg.func, requested, factor=cfg.policy.factor)
                 if cached is None:
                     stored = cfg.file.get(self.key)
                     if stored is not None and stored >= cfg.policy.min_batch_size:
@@ -219,8 +220,9 @@ def oom_retry(func: None = None, /, *, batch_size: Optional[int] = None,
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
-              snapshot_dir: Optional[str] = None,
-              restore: Any = None) -> Callable[[Callable[..., R]], RetryingFunction[R]]: ...
+              snapshot_dir: Optional[str] = None, restore: Any = None,
+              restore_to: RestoreTo = "auto"
+              ) -> Callable[[Callable[..., R]], RetryingFunction[R]]: ...
 
 
 def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
@@ -231,7 +233,8 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
-              snapshot_dir: Optional[str] = None, restore: Any = None) -> Any:
+              snapshot_dir: Optional[str] = None, restore: Any = None,
+              restore_to: RestoreTo = "auto") -> Any:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -282,16 +285,24 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
         accumulation_arg: the parameter the accumulation steps are passed through.
         cache: ``True``: start later calls of this process at the size that worked for the
             same start; ``False``: always start at the start size; a file path: also keep
-            the sizes in that JSON file, shared by processes, ranks and restarted jobs
-            (written atomically under a lock; a file that is not memguard's is never
-            written).
+            the sizes in that JSON file, shared by processes, ranks and restarted jobs,
+            keyed by the function's code (:func:`memguard.sizes.code_identity`), the start
+            size, ``factor`` and the device (written atomically under a lock; a file that is
+            not memguard's is never written, a warning says why).
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot
             there for each failed attempt (see :func:`record_history`).
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
-            schedulers, a ``GradScaler``) whose state, with a module's gradients, is copied
-            to host memory when the call begins (to a temporary file when larger than half
-            the host's available memory) and loaded back before each retry, so every attempt
-            starts from the state the first one did.
+            schedulers, a ``GradScaler``), Keras models (with their compiled optimizer's
+            variables) and Keras optimizers, whose state, with a module's gradients, is
+            copied when the call begins and loaded back before each retry, so every attempt
+            starts from the state the first one did. Restoring that runs out of memory
+            raises :class:`OutOfMemoryError` saying what it needed.
+        restore_to: where that copy is kept: ``"memory"`` (host memory, as fast as a tensor
+            copy; the state's size held for the whole call), ``"file"`` (a temporary file in
+            ``TMPDIR``, written one tensor at a time and read straight back into place: no
+            second copy in host memory, at the cost of writing the state once per call and
+            reading it once per retry at the disk's speed), ``"auto"`` (the file when the
+            state exceeds half the host's available memory).
 
     Returns:
         The decorated function (a :class:`RetryingFunction`): it returns what the attempt
@@ -319,7 +330,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     policy.check_start(batch_size, "oom_retry")
     if not isinstance(cache, bool):
         cache = check_path(cache)
-    objects = torch_state.check_restorable(restore)
+    objects = torch_state.check_restorable(restore, restore_to)
 
     def decorate(f: Callable[..., Any]) -> Any:
         cfg = _Config(f, batch_size, arg, policy, keep_effective_batch, accumulation_arg,

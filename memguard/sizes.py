@@ -1,10 +1,11 @@
 """Working sizes: remembered in a file shared across processes and restarts, and predicted from
 what memory an attempt measured instead of guessed from a fixed factor.
 
-- :class:`SizeFile`: a JSON file of working sizes, keyed by the function's qualified name, the
-  start size and the device (name and total memory). Written atomically (a temporary file
-  renamed over it) under an advisory lock, so ranks and processes sharing it merge their
-  entries; a corrupt or unreadable file is a warning, never a crash.
+- :class:`SizeFile`: a JSON file of working sizes, keyed (:func:`size_key`) by the code of the
+  function (:func:`code_identity`), the start size, the search parameters and the device
+  (name and total memory). Written atomically (a temporary file renamed over it) under an
+  advisory lock, so ranks and processes sharing it merge their entries; a file that is not
+  memguard's is never written, and no file ever breaks a call (a warning says why).
 - :func:`size_after_oom`: the next size after an out-of-memory, from what the failed attempt
   used and asked for against what the budget could give (``oom_retry(factor="auto")``).
 - :class:`MemoryFit`: memory = fixed + per-sample x size, fitted to measured peaks, and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from typing import Any, Optional, Union
 
@@ -45,14 +47,146 @@ def qualified_name(func: Any) -> str:
     return f"{module}.{name}"
 
 
-def size_key(kind: str, func: Any, start: int, device: Optional[str] = None) -> str:
-    """The key a working size is kept under: who found it, for which function, from which
-    start, on which device (``device_identity()`` unless given).
+def size_key(kind: str, func: Any, start: int, device: Optional[str] = None,
+             **search: Any) -> str:
+    """The key a working size is kept under: who found it, for which code (see
+    :func:`code_identity`), from which start, with which search parameters (every one that
+    changes the answer), on which device (``device_identity()`` unless given).
 
-    >>> size_key("oom_retry", qualified_name, 64, "host x86_64 (1 bytes)")
-    'oom_retry memguard.sizes.qualified_name start=64 on host x86_64 (1 bytes)'
+    Args:
+        kind: who found the size (``"oom_retry"``, ``"find_batch_size"``).
+        func: the function (or callable) the size was found for.
+        start: the size the search or the call started from.
+        device: the device's identity; ``device_identity()`` when ``None``.
+        **search: further parameters that change the size found, written ``name=value`` in
+            the order given (a callable as its qualified name).
+
+    Returns:
+        A one-line, human-readable key.
+
+    >>> key = size_key("find_batch_size", qualified_name, 64, "host x86_64 (1 bytes)",
+    ...                max_batch_size=None, mode="binsearch")
+    >>> key.split(" at ")[0]
+    'find_batch_size memguard.sizes.qualified_name'
+    >>> key.split(" code=")[1][9:]
+    'start=64 max_batch_size=None mode=binsearch on host x86_64 (1 bytes)'
     """
-    return f"{kind} {qualified_name(func)} start={start} on {device or device_identity()}"
+    params = "".join(f" {name}={qualified_name(value) if callable(value) else value}"
+                     for name, value in search.items())
+    return (f"{kind} {code_identity(func)} start={start}{params} on "
+            f"{device or device_identity()}")
+
+
+def code_identity(func: Any) -> str:
+    """What identifies the code of ``func`` across processes: its qualified name, the file and
+    first line of its code (the script's full path for ``__main__``) and a digest of its
+    bytecode, constants, the names it reads, its defaults and the values its closure holds
+    (numbers, strings and tuples of them by value, other objects by type). So two lambdas of
+    one module, two closures of one factory holding different values and two scripts'
+    ``__main__.train`` differ; editing the function changes it too.
+
+    Args:
+        func: a function, method, ``functools.partial``, decorated function (followed through
+            ``__wrapped__``) or callable object.
+
+    Returns:
+        ``"module.QualName at /path/file.py:LINE code=1a2b3c4d"`` (no ``at`` part for a
+        callable without Python code).
+
+    >>> code_identity(code_identity).split(" at ")[0]
+    'memguard.sizes.code_identity'
+    """
+    import hashlib
+
+    target = _innermost(func)
+    code = getattr(target, "__code__", None)
+    if code is None and not isinstance(target, type):
+        code = getattr(_class_call(target), "__code__", None)
+    where = ""
+    if code is not None:
+        file = code.co_filename  # "<string>" for python -c, "<stdin>": kept as they are
+        file = file if file.startswith("<") else os.path.abspath(file)
+        where = f" at {file}:{code.co_firstlineno}"
+    digest = hashlib.sha256(_fingerprint(func, 0).encode("utf-8", "backslashreplace"))
+    return f"{qualified_name(func)}{where} code={digest.hexdigest()[:8]}"
+
+
+def _innermost(func: Any) -> Any:
+    """``func`` less its ``partial``, bound-method and ``__wrapped__`` layers."""
+    import functools
+
+    for _ in range(100):  # a loop of wrappers ends here rather than hang
+        if isinstance(func, functools.partial):
+            func = func.func
+        elif hasattr(func, "__func__"):
+            func = func.__func__
+        elif getattr(func, "__wrapped__", None) is not None:
+            func = func.__wrapped__
+        else:
+            break
+    return func
+
+
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), type(Ellipsis))
+_MAX_DEPTH, _MAX_ITEMS = 6, 64
+
+
+def _fingerprint(value: Any, depth: int) -> str:
+    """A text that changes when the behaviour ``value`` stands for changes and is the same in
+    every process: code by its bytes and constants, plain values by ``repr``, other objects
+    by their type (their state may differ from run to run: a model, a list of results)."""
+    import functools
+    import types
+
+    if depth > _MAX_DEPTH:
+        return "..."
+    deeper = depth + 1
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, frozenset)):
+        if len(value) > _MAX_ITEMS:
+            return f"{type(value).__name__}[{len(value)}]"
+        parts = [_fingerprint(v, deeper) for v in value]
+        if isinstance(value, frozenset):
+            parts.sort()
+        return f"{type(value).__name__}({','.join(parts)})"
+    if isinstance(value, types.CodeType):
+        return (f"code({value.co_code.hex()};{','.join(value.co_names)};"
+                f"{_fingerprint(value.co_consts, deeper)})")
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_cell(c, deeper) for c in value.__closure__ or ())
+        return (f"function({_fingerprint(value.__code__, deeper)};"
+                f"{_fingerprint(value.__defaults__, deeper)};"
+                f"{_fingerprint(tuple(sorted((value.__kwdefaults__ or {}).items())), deeper)};"
+                f"{';'.join(cells)})")
+    if isinstance(value, functools.partial):
+        return (f"partial({_fingerprint(value.func, deeper)};{_fingerprint(value.args, deeper)};"
+                f"{_fingerprint(tuple(sorted(value.keywords.items())), deeper)})")
+    if isinstance(value, types.MethodType):
+        return (f"method({_fingerprint(value.__func__, deeper)};"
+                f"{qualified_name(type(value.__self__))})")
+    if getattr(value, "__wrapped__", None) is not None:
+        return f"wrapped({_fingerprint(value.__wrapped__, deeper)})"
+    if isinstance(value, types.ModuleType):
+        return f"module({value.__name__})"
+    if isinstance(value, type):
+        return f"class({qualified_name(value)})"
+    call = _class_call(value)
+    if isinstance(call, types.FunctionType):  # a callable object: its class's code
+        return f"object({qualified_name(value)};{_fingerprint(call, deeper)})"
+    return f"object({qualified_name(value)})"
+
+
+def _class_call(value: Any) -> Any:
+    """The ``__call__`` a callable object's class defines (``None`` if none)."""
+    return type(value).__call__ if callable(value) else None
+
+
+def _cell(cell: Any, depth: int) -> str:
+    try:
+        return _fingerprint(cell.cell_contents, depth)
+    except ValueError:  # an empty cell: a name bound later in the enclosing function
+        return "<empty>"
 
 
 def check_path(value: Any, name: str = "cache") -> str:
@@ -67,8 +201,47 @@ def check_path(value: Any, name: str = "cache") -> str:
     return path
 
 
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def warn_caller(message: str) -> None:
+    """Warn with a ``RuntimeWarning`` pointing at the first caller outside memguard (and
+    wrapt). Where warnings are errors (``-W error``) the warning cannot be raised into the
+    caller's call: it is logged at WARNING instead, so a size file never breaks a call. Else
+    it is logged at DEBUG only (the warning is what the console shows, once).
+
+    Args:
+        message: the warning's text.
+    """
+    internal = _INTERNAL + _wrapt_folder()
+    level, frame = 1, sys._getframe(0)  # noqa: SLF001 - the caller's frames: no public way to walk them
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=level)
+    except Warning:  # the warning filter turned it into an error
+        log.warning("%s", message)
+    else:
+        log.debug("%s", message)
+
+
+def _wrapt_folder() -> tuple[str, ...]:
+    wrapt = sys.modules.get("wrapt")
+    path = getattr(wrapt, "__file__", None)
+    return (os.path.dirname(os.path.abspath(path)) + os.sep,) if path else ()
+
+
 class SizeFile:
     """Working sizes kept in a JSON file: ``{"memguard sizes": 1, "sizes": {key: size}}``.
+
+    Only memguard's own files are ever written: a missing file is created (through a symbolic
+    link, the link kept), an empty one (no bytes) becomes a size file, and anything else (a
+    file that is not a size file, a read-only file, one that cannot be read, a folder) is left
+    exactly as it is, with one warning naming the file and why, pointing at the caller's line.
+    A read-only size file is still read. Reading never raises into a call.
+
+    Args:
+        path: the file's path (``str`` or ``os.PathLike``).
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "sizes.json")
@@ -79,74 +252,143 @@ class SizeFile:
     """
 
     FORMAT = "memguard sizes"
+    LARGEST = 16 << 20
+    """A file larger than this is not read (a size file holds a few entries)."""
 
     def __init__(self, path: PathLike) -> None:
         self.path = check_path(path)
+        self._warned: set[str] = set()
 
-    def _warn(self, what: str, exc: BaseException) -> None:
-        message = (f"memguard: cannot {what} the size cache {self.path!r} ({exc}); going on "
-                   f"without it. Delete or fix the file, or pass another path")
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-        log.warning("%s", message)
+    def _warn(self, message: str) -> None:
+        if message in self._warned:  # once per file and problem
+            log.debug("%s", message)
+            return
+        self._warned.add(message)
+        warn_caller(message)
 
-    def _read(self) -> dict[str, int]:
+    def _inspect(self) -> tuple[Optional[dict[str, int]], Optional[str]]:
+        """``(sizes, problem)``: the entries (``None`` when the file cannot be used at all) and
+        why it must not be written (``None`` when it may be)."""
+        import stat
+
         try:
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
+            info = os.stat(self.path)
         except FileNotFoundError:
-            return {}
+            return {}, None
         except OSError as exc:
-            self._warn("read", exc)
-            return {}
+            return None, (f"memguard: cannot read the size file {self.path!r} ({exc}); sizes "
+                          f"are not kept there. Pass another path as cache=")
+        if not stat.S_ISREG(info.st_mode):
+            return None, (f"memguard: cannot use {self.path!r} as a size file: it is not a "
+                          f"regular file; it is left as it is and sizes are not kept. Pass a "
+                          f"file path as cache=")
+        read_only = (f"memguard: the size file {self.path!r} is read-only (mode "
+                     f"{oct(stat.S_IMODE(info.st_mode))}); the sizes in it are used, new ones "
+                     f"are not kept. Make it writable (chmod u+w) to keep them, or pass "
+                     f"another path as cache=")
+        writable = bool(info.st_mode & 0o222) and os.access(self.path, os.W_OK)
+        if info.st_size > self.LARGEST:
+            return None, self._foreign(f"{info.st_size} bytes, more than a size file holds")
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(self.LARGEST + 1)
+        except OSError as exc:
+            return None, (f"memguard: cannot read the size file {self.path!r} ({exc}); it is "
+                          f"left as it is and sizes are not kept. Pass another path as "
+                          f"cache=, or make the file readable")
+        if not raw:
+            return {}, None if writable else read_only
+        sizes = self._parse(raw)
+        if isinstance(sizes, str):
+            return None, self._foreign(sizes)
+        return sizes, None if writable else read_only
+
+    def _foreign(self, why: str) -> str:
+        return (f"memguard: {self.path!r} is not a memguard size file ({why}); it is left as "
+                f"it is and sizes are not kept in it. Pass another path as cache= (a missing "
+                f"file is created)")
+
+    def _parse(self, raw: bytes) -> Union[dict[str, int], str]:
+        """The entries of a size file's bytes, or why they are not a size file."""
         import json
 
         try:
-            data = json.loads(text)
-            sizes = data["sizes"] if isinstance(data, dict) and self.FORMAT in data else None
-            if not isinstance(sizes, dict):
-                raise ValueError("not a memguard size file")
-            return {str(k): int(v) for k, v in sizes.items()
-                    if isinstance(v, int) and not isinstance(v, bool) and v > 0}
-        except (ValueError, KeyError, TypeError) as exc:
-            self._warn("read", exc)
-            return {}
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+        sizes = data.get("sizes") if isinstance(data, dict) and self.FORMAT in data else None
+        if not isinstance(sizes, dict):
+            return f"no {self.FORMAT!r} and 'sizes' in it"
+        return {k: v for k, v in sizes.items()
+                if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                and v > 0}
 
     def get(self, key: str) -> Optional[int]:
-        """The size kept under ``key``, or ``None``."""
-        return self._read().get(key)
+        """The size kept under ``key``, or ``None``.
+
+        Args:
+            key: a key made by :func:`size_key`.
+
+        Returns:
+            The size, or ``None`` when there is none (or the file cannot be read: a warning).
+        """
+        sizes, problem = self._inspect()
+        if sizes is None and problem is not None:
+            self._warn(problem)
+        return (sizes or {}).get(key)
 
     def put(self, key: str, size: int) -> None:
         """Keep ``size`` under ``key``: read, merge and replace the file under a lock, so
-        entries other processes wrote meanwhile are kept."""
-        folder = os.path.dirname(os.path.abspath(self.path))
+        entries other processes wrote meanwhile are kept. A file that must not be written is
+        left as it is, with a warning (never an exception).
+
+        Args:
+            key: a key made by :func:`size_key`.
+            size: the working size.
+        """
+        sizes, problem = self._inspect()
+        if sizes is not None and sizes.get(key) == size:
+            return  # nothing to keep (a read-only size file that already holds it, say)
+        if problem is not None:  # before the lock: no lock file beside a file not ours
+            self._warn(problem)
+            return
+        real = os.path.realpath(self.path)  # a link is written through, and kept
+        folder = os.path.dirname(real)
         try:
-            with _FileLock(self.path + ".lock"):
-                sizes = self._read()
+            with _FileLock(real + ".lock"):
+                sizes, problem = self._inspect()  # again: another process may have written
+                if sizes is None or problem is not None:
+                    self._warn(problem or self._foreign("changed while being written"))
+                    return
                 if sizes.get(key) == size:
                     return
                 sizes[key] = size
-                import json
-                import tempfile
-
-                mode = _mode_of(self.path)  # mkstemp's 0600 would lock other users out
-                handle, temporary = tempfile.mkstemp(prefix=".memguard-sizes-", dir=folder)
-                try:
-                    with os.fdopen(handle, "w", encoding="utf-8") as f:
-                        json.dump({self.FORMAT: 1, "sizes": sizes}, f, indent=1,
-                                  sort_keys=True)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.chmod(temporary, mode)
-                    os.replace(temporary, self.path)
-                except BaseException:
-                    try:
-                        os.unlink(temporary)
-                    except OSError:
-                        pass
-                    raise
-                _sync_folder(folder)
+                self._write(real, folder, sizes)
         except OSError as exc:
-            self._warn("write", exc)
+            self._warn(f"memguard: cannot write the size file {self.path!r} ({exc}); the size "
+                       f"is not kept. Pass another path as cache=, or make its folder "
+                       f"writable")
+
+    def _write(self, real: str, folder: str, sizes: dict[str, int]) -> None:
+        import json
+        import tempfile
+
+        mode = _mode_of(real)  # mkstemp's 0600 would lock other users out
+        handle, temporary = tempfile.mkstemp(prefix=".memguard-sizes-", dir=folder)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as f:
+                json.dump({self.FORMAT: 1, "sizes": sizes}, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(temporary, mode)
+            os.replace(temporary, real)
+        except BaseException:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise
+        _sync_folder(folder)
 
 
 def _mode_of(path: str) -> int:
