@@ -257,9 +257,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     objects = torch_state.check_restorable(restore)
     key = size_key(who, step, start, max_batch_size=max_batch_size, mode=mode, steps=steps,
                    max_attempts=max_attempts)
-    stored = _FOUND.get(key) if cache else None
-    if stored is None and isinstance(cache, str):
-        stored = SizeFile(cache).get(key)
+    file = SizeFile(cache) if isinstance(cache, str) else None
+    stored = _FOUND.get(key) if cache is True else file.get(key) if file is not None else None
     if stored is not None and stored >= start:
         found = stored if max_batch_size is None else min(stored, max_batch_size)
         log.info("%s: %d from the size cache", who, found)
@@ -282,10 +281,10 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
         log.warning("%s stopped after max_attempts=%d trials at %d, the largest size that "
                     "fitted; raise max_attempts or set max_batch_size to search on", who,
                     policy.max_attempts, search.good)
-    if cache:
+    if cache is True:
         _FOUND[key] = search.good
-        if isinstance(cache, str):
-            SizeFile(cache).put(key, search.good)
+    elif file is not None:
+        file.put(key, search.good)
     found = _finish(search.good, margin, policy)
     log.info("%s found %d after %d trials", who, found, len(search.attempts))
     return BatchSize(found, search.attempts)

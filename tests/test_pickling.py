@@ -267,7 +267,7 @@ if __name__ == "__main__":
             except Exception as exc:
                 seen[name] = type(exc).__name__
                 if isinstance(exc, memguard.OutOfMemoryError):
-                    assert [a.batch_size for a in exc.attempts] == [4, 2], exc.attempts
+                    assert [a.size for a in exc.attempts] == [4, 2], exc.attempts
                     assert exc.attempts[0].memory["host"].reserved > 0
                     assert "out of memory" in str(exc)
                 if isinstance(exc, memguard.MemoryLeakError):

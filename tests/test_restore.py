@@ -37,7 +37,7 @@ try:
     out = {"type": None}
 except Exception as exc:
     out = {"type": type(exc).__name__, "message": str(exc), "oom": memguard.is_oom_error(exc),
-           "attempts": [a.batch_size for a in train.history]}
+           "attempts": [a.size for a in train.history]}
 print(json.dumps(out))
 """
 
@@ -130,7 +130,7 @@ in_file()
 training(fresh)(16)
 memguard.oom_retry(batch_size=64, factor=0.25)(training(plain))()  # control: no restore
 same = lambda a, b: all(np.array_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights()))
-print(json.dumps({"size": size, "tried": [a.batch_size for a in retried.history],
+print(json.dumps({"size": size, "tried": [a.size for a in retried.history],
                   "equal": same(model, fresh), "control_equal": same(plain, fresh),
                   "file_equal": same(filed, fresh),
                   "iterations": [int(m.optimizer.iterations.numpy()) for m in (model, fresh)]}))

@@ -196,7 +196,7 @@ def test_two_lambdas_of_one_module_keep_their_own_sizes(tmp_path):
     fits_40, fits_10 = _fits(40), _fits(10)
     assert memguard.find_batch_size(lambda b: fits_40(b), margin=0.0, start=8, cache=path) == 40
     trials = []
-    assert memguard.find_batch_size(lambda b: trials.append(b) or fits_10(b), start=8,
+    assert memguard.find_batch_size(lambda b: trials.append(b) or fits_10(b), margin=0.0, start=8,
                                     cache=path) == 10
     assert trials  # searched, not read from the entry of the other lambda
 
