@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -76,8 +77,14 @@ def test_a_failed_fit_leaves_the_callback_ready_for_the_next(caplog):
         return model.fit(X, Y, batch_size=batch_size, epochs=1, verbose=0,
                          callbacks=[callback, *extra])
 
-    history = fit()
+    with caplog.at_level(logging.DEBUG, "memguard"):
+        history = fit()
     assert [a.batch_size for a in fit.history] == [32, 16]
+    # logged once, at WARNING by oom_retry; the callback's line (DEBUG) adds the step
+    [line] = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and "out of memory" in r.getMessage()]
+    assert "retrying at batch_size=16" in line
+    assert "keras: out of memory during fit at step 2, batch_size=32" in caplog.text
     [failure] = callback.failures
     assert failure["batch_size"] == 32 and failure["step"] == 2
     assert [s.name for s in callback.scopes] == ["keras epoch 1"]
