@@ -150,20 +150,17 @@ def is_module(obj: object) -> bool:
 
 
 class InferenceState:
-    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back."""
+    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
+    ``training`` flags of modules that set it as a plain attribute (``direct``) and of the
+    others (``flags``)."""
 
-    __slots__ = ("context", "flags")
+    __slots__ = ("context", "direct", "flags")
 
-    def __init__(self, context: Any, flags: list[tuple[Any, bool]]) -> None:
+    def __init__(self, context: Any, direct: list[tuple[Any, bool]],
+                 flags: list[tuple[Any, bool]]) -> None:
         self.context = context
+        self.direct = direct
         self.flags = flags
-
-
-def _plain(cls: Any, module_class: Any) -> bool:
-    """Whether ``cls`` switches modes as ``torch.nn.Module`` does: its ``train`` only sets
-    ``training`` on itself and its children, and setting ``training`` is a plain attribute
-    write (neither is overridden)."""
-    return cls.train is module_class.train and cls.__setattr__ is module_class.__setattr__
 
 
 def _tree(model: Any) -> list[Any]:
@@ -188,50 +185,47 @@ def _inference_context(torch: Any) -> Any:
 def enter_inference(models: Iterable[Any]) -> Optional[InferenceState]:
     """Enter ``torch.inference_mode()`` and put every module in eval mode.
 
-    A model whose modules all switch modes as ``torch.nn.Module`` does has its ``training``
-    flags written directly (what ``eval()`` does, without its walk through
+    A model whose modules all keep ``torch.nn.Module``'s ``train`` and ``__setattr__`` has
+    its ``training`` flags written directly (what ``eval()`` does, without its walk through
     ``Module.__setattr__``: ~10 us for a model of six modules); a model with a module that
-    overrides ``train`` or ``__setattr__`` gets its own ``eval()``. Returns ``None`` when
-    torch is not imported and no model was given.
+    overrides either gets its own ``eval()``. Returns ``None`` when torch is not imported and
+    no model was given.
     """
     models = list(models)
     if "torch" not in sys.modules and not models:
         return None
     torch = _torch()
-    module_class = torch.nn.Module
+    train, setattr_ = torch.nn.Module.train, torch.nn.Module.__setattr__
+    direct: list[tuple[Any, bool]] = []
     flags: list[tuple[Any, bool]] = []
-    spans: list[tuple[Any, int, bool]] = []  # (model, where its flags start, plain)
-    for model in models:  # every flag first: a module shared by two models is read once set
-        start, plain = len(flags), True
-        for m in _tree(model):
-            flags.append((m, m.training))
-            plain = plain and _plain(type(m), module_class)
-        spans.append((model, start, plain))
-    for index, (model, start, plain) in enumerate(spans):
-        if not plain:
-            model.eval()
-            continue
-        end = spans[index + 1][1] if index + 1 < len(spans) else len(flags)
-        for m, training in flags[start:end]:
-            if training:
-                object.__setattr__(m, "training", False)
+    plain: list[Any] = []  # modules to turn off directly, once every flag is read
+    others: list[Any] = []  # models to turn off with their own eval()
+    for model in models:
+        tree = _tree(model)
+        if all(type(m).train is train and type(m).__setattr__ is setattr_ for m in tree):
+            direct.extend((m, m.training) for m in tree)
+            plain.extend(tree)
+        else:
+            flags.extend((m, m.training) for m in tree)
+            others.append(model)
+    for module in plain:
+        object.__setattr__(module, "training", False)
+    for model in others:
+        model.eval()
     context = _inference_context(torch)
     try:
         context.__enter__()
     except BaseException:
-        _restore(flags)
+        _restore(direct, flags)
         raise
-    return InferenceState(context, flags)
+    return InferenceState(context, direct, flags)
 
 
-def _restore(flags: list[tuple[Any, bool]]) -> None:
-    module_class = _torch().nn.Module
+def _restore(direct: list[tuple[Any, bool]], flags: list[tuple[Any, bool]]) -> None:
+    for module, training in direct:
+        object.__setattr__(module, "training", training)
     for module, training in flags:
-        if module.training is not training:
-            if type(module).__setattr__ is module_class.__setattr__:
-                object.__setattr__(module, "training", training)
-            else:
-                module.training = training
+        module.training = training
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
@@ -241,7 +235,7 @@ def exit_inference(state: Optional[InferenceState]) -> None:
     try:
         state.context.__exit__(None, None, None)
     finally:
-        _restore(state.flags)
+        _restore(state.direct, state.flags)
 
 
 # -- tensors ------------------------------------------------------------------------------------
