@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import guard
@@ -14,6 +15,25 @@ from .cleanup import Cleanup, Pairs, cleanup_mode, empty_caches, settler_for
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
 InUse = list[Optional[int]]
+
+
+_DEVICES: tuple[float, Pairs] = (-1.0, [])
+DEVICES_TTL = 1.0
+"""Seconds the devices an ``"auto"`` cleanup watches are reused for before they are listed
+again (listing them costs more than the two readings it serves: asking each framework which
+devices it has started)."""
+
+
+def _devices() -> Pairs:
+    """Every active ``(backend, device)`` pair, listed again at most every
+    :data:`DEVICES_TTL` seconds (a device started since is watched from the next listing)."""
+    global _DEVICES
+    now = time.monotonic()
+    listed, pairs = _DEVICES
+    if now - listed > DEVICES_TTL:
+        pairs = resolve_devices(None)
+        _DEVICES = (now, pairs)
+    return pairs
 
 
 def _in_use(pairs: Pairs) -> InUse:
@@ -83,7 +103,7 @@ class InferenceMode:
         if self._active:
             raise RuntimeError("this inference_mode is already active; use a new one per block")
         if self.cleanup == "auto":
-            self._pairs = resolve_devices(None)
+            self._pairs = _devices()
             self._entry = _in_use(self._pairs)
         self._state = enter_inference(self.models)
         self._active = True
@@ -118,8 +138,9 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
     hands out on entry and on exit (microseconds) and only where the block left more than the
     device's tolerance in use (a reference cycle holding outputs, say) collects garbage and
     empties that device's cache; a cache that merely grew (activations freed into it) is left
-    to the next forward, which reuses it. ``"always"`` collects in full and empties every
-    cache; ``"never"`` does neither.
+    to the next forward, which reuses it (the devices watched are listed again at most once
+    a second, :data:`DEVICES_TTL`). ``"always"`` collects in full and empties every cache;
+    ``"never"`` does neither.
     Without torch (a TensorFlow program) it only cleans up. Usable as ``with``, as
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
     functions and methods (torch's inference mode belongs to a thread, so it cannot follow a
