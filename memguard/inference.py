@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, TypeVar
 from ._decorate import guard
 from .backends import is_keras_model, resolve_devices
 from .backends.torch import InferenceState, enter_inference, exit_inference, is_module
-from .cleanup import Cleanup, Pairs, cleanup_mode, empty_caches, settler_for
+from .cleanup import Cleanup, Pairs, Settler, cleanup_mode, empty_caches
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
@@ -119,7 +119,7 @@ class InferenceMode:
                 if self.cleanup == "auto":
                     _settle_kept(self._pairs, self._entry)
                 elif self.cleanup == "always":
-                    settler_for("always").settle(resolve_devices(None), {})  # type: ignore[union-attr]
+                    Settler("always").settle(resolve_devices(None), {})
             except Exception:
                 if exc_type is None:
                     raise
