@@ -2,14 +2,76 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import time
 from typing import Any, Callable, Optional, TypeVar
 
 from ._decorate import guard
 from .backends import is_keras_model, resolve_devices
 from .backends.torch import InferenceState, enter_inference, exit_inference, is_module
-from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, read_all, settler_for
+from .cleanup import Cleanup, Pairs, Settler, cleanup_mode, empty_caches
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("memguard")
+InUse = list[Optional[int]]
+
+
+_DEVICES: tuple[float, Pairs] = (-1.0, [])
+DEVICES_TTL = 1.0
+"""Seconds the devices an ``"auto"`` cleanup watches are reused for before they are listed
+again (listing them costs more than the two readings it serves: asking each framework which
+devices it has started)."""
+
+
+def _devices() -> Pairs:
+    """Every active ``(backend, device)`` pair, listed again at most every
+    :data:`DEVICES_TTL` seconds (a device started since is watched from the next listing)."""
+    global _DEVICES
+    now = time.monotonic()
+    listed, pairs = _DEVICES
+    if now - listed > DEVICES_TTL:
+        pairs = resolve_devices(None)
+        _DEVICES = (now, pairs)
+    return pairs
+
+
+def _in_use(pairs: Pairs) -> InUse:
+    """The bytes each device's allocator has handed out (``None`` where unknown)."""
+    out: InUse = []
+    for backend, device in pairs:
+        try:
+            out.append(backend.read_in_use(device))
+        except Exception as exc:  # noqa: BLE001 - never let a reading break the program
+            log.warning("cannot read %s: %s", device, exc)
+            out.append(None)
+    return out
+
+
+def _held(pairs: Pairs, entry: InUse, now: InUse) -> Pairs:
+    """The devices whose allocator hands out more than its tolerance above ``entry``."""
+    return [(backend, device) for (backend, device), before, after in zip(pairs, entry, now,
+                                                                          strict=True)
+            if before is not None and after is not None
+            and after - before > backend.hold_tolerance]
+
+
+def _settle_kept(pairs: Pairs, entry: InUse) -> None:
+    """The ``"auto"`` cleanup after an inference block: one cheap reading per device (what
+    the allocators hand out; microseconds); only where the block left more than the device's
+    tolerance in use, collect the young generations, then in full if that did not free it,
+    and empty the caches of the devices that had held it. A cache that merely grew (the
+    forward's activations freed into it) is left to the next forward, which reuses it."""
+    held = _held(pairs, entry, _in_use(pairs))
+    if not held:
+        return
+    gc.collect(1)
+    still = _held(held, [entry[pairs.index(p)] for p in held], _in_use(held))
+    if still:
+        gc.collect()
+    empty_caches(backend for backend, _ in held)
+    log.debug("inference_mode collected garbage; memory was held on %s",
+              ", ".join(device for _, device in held))
 
 
 class InferenceMode:
@@ -34,15 +96,15 @@ class InferenceMode:
         self.cleanup: Cleanup = cleanup_mode(cleanup, "inference_mode")
         self._state: Optional[InferenceState] = None
         self._pairs: Pairs = []
-        self._entry: Readings = {}
+        self._entry: InUse = []
         self._active = False
 
     def __enter__(self) -> "InferenceMode":
         if self._active:
             raise RuntimeError("this inference_mode is already active; use a new one per block")
-        if self.cleanup != "never":
-            self._pairs = resolve_devices(None)
-            self._entry = read_all(self._pairs)
+        if self.cleanup == "auto":
+            self._pairs = _devices()
+            self._entry = _in_use(self._pairs)
         self._state = enter_inference(self.models)
         self._active = True
         return self
@@ -53,13 +115,14 @@ class InferenceMode:
         try:
             exit_inference(state)
         finally:
-            settler = settler_for(self.cleanup)
-            if settler is not None:
-                try:
-                    settler.settle(self._pairs, self._entry)
-                except Exception:
-                    if exc_type is None:
-                        raise
+            try:
+                if self.cleanup == "auto":
+                    _settle_kept(self._pairs, self._entry)
+                elif self.cleanup == "always":
+                    Settler("always").settle(resolve_devices(None), {})
+            except Exception:
+                if exc_type is None:
+                    raise
 
     def __call__(self, func: F) -> F:
         return guard(func, lambda: InferenceMode(*self.models, cleanup=self.cleanup),
@@ -71,8 +134,13 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
 
     With torch: enters ``torch.inference_mode()``, switches each ``torch.nn.Module`` to
     ``eval()``, and on exit (also on an exception) restores every submodule's own ``training``
-    flag; then cleans up as ``memory_scope`` does (``cleanup="auto"``, the default,
-    ``"always"`` or ``"never"``).
+    flag; then cleans up. ``cleanup="auto"`` (the default) reads what each device's allocator
+    hands out on entry and on exit (microseconds) and only where the block left more than the
+    device's tolerance in use (a reference cycle holding outputs, say) collects garbage and
+    empties that device's cache; a cache that merely grew (activations freed into it) is left
+    to the next forward, which reuses it (the devices watched are listed again at most once
+    a second, :data:`DEVICES_TTL`). ``"always"`` collects in full and empties every cache;
+    ``"never"`` does neither.
     Without torch (a TensorFlow program) it only cleans up. Usable as ``with``, as
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
     functions and methods (torch's inference mode belongs to a thread, so it cannot follow a

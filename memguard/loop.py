@@ -298,6 +298,17 @@ class _Nest:
 _NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
 
 
+def running() -> bool:
+    """Whether an attempt of a sizing loop (``oom_retry``, ``auto_microbatch``,
+    ``memguard.attempts``...) runs in this thread or task: an out-of-memory raised here will
+    be logged and handled by that loop.
+
+    >>> running()
+    False
+    """
+    return _NEST.get() is not None
+
+
 # -- the loop ------------------------------------------------------------------------------------
 
 class Loop:

@@ -128,3 +128,63 @@ def test_without_torch_it_only_cleans_up(python_in_subprocess):
                           "left_mib": (host.rss() - start) / 2**20}))
     """)
     assert out["torch"] is False and out["left_mib"] < 30
+
+
+def deep_model() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+                                 for _ in range(100)])
+
+
+def test_switching_modes_costs_less_than_a_bare_eval_and_train():
+    """Entering and leaving writes the flags directly: on a model of 301 plain modules it
+    costs well under the ``eval()`` and ``train()`` it replaces (their walk through
+    ``Module.__setattr__`` took longer than the rest of inference_mode together)."""
+    import statistics
+    import time
+
+    model = deep_model()
+
+    def bare():
+        model.eval()
+        model.train()
+
+    def guarded():
+        with memguard.inference_mode(model, cleanup="never"):
+            pass
+
+    times: dict = {bare: [], guarded: []}
+    for _ in range(15):
+        for fn in times:
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            times[fn].append(time.perf_counter() - start)
+    ratio = statistics.median(times[guarded]) / statistics.median(times[bare])
+    assert ratio < 0.6, f"inference_mode cost {ratio:.2f}x a bare eval() and train()"
+    assert all(flags(model))
+
+
+def test_a_module_that_overrides_train_gets_its_own_eval():
+    calls = []
+
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def train(self, mode=True):
+            calls.append(mode)
+            return super().train(mode)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Frozen())
+    with memguard.inference_mode(model):
+        assert not any(flags(model))
+    assert calls == [False] and all(flags(model))
+
+
+def test_a_module_shared_by_two_models_gets_its_own_flag_back():
+    shared = torch.nn.Linear(2, 2)
+    first, second = torch.nn.Sequential(shared), torch.nn.Sequential(shared, torch.nn.ReLU())
+    with memguard.inference_mode(first, second):
+        assert not any(flags(first) + flags(second))
+    assert all(flags(first) + flags(second))

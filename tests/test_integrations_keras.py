@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -76,8 +77,14 @@ def test_a_failed_fit_leaves_the_callback_ready_for_the_next(caplog):
         return model.fit(X, Y, batch_size=batch_size, epochs=1, verbose=0,
                          callbacks=[callback, *extra])
 
-    history = fit()
+    with caplog.at_level(logging.DEBUG, "memguard"):
+        history = fit()
     assert [a.size for a in fit.history] == [32, 16]
+    # logged once, at WARNING by oom_retry; the callback's line (DEBUG) adds the step
+    [line] = [r.getMessage() for r in caplog.records
+              if r.levelno >= logging.WARNING and "out of memory" in r.getMessage()]
+    assert "retrying at batch_size=16" in line
+    assert "keras: out of memory during fit at step 2, batch_size=32" in caplog.text
     [failure] = callback.failures
     assert failure["batch_size"] == 32 and failure["step"] == 2
     assert [s.name for s in callback.scopes] == ["keras epoch 1"]
@@ -91,3 +98,41 @@ def test_without_keras_the_import_error_names_the_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout
     assert 'pip install "memguard[keras]"' in out
+
+
+def test_a_budgeted_fit_on_numpy_arrays_recovers_with_the_callback(python_in_subprocess):
+    """The callback adds nothing at the failure (Keras calls no callback when ``fit`` raises;
+    ``on_retry`` runs after ``oom_retry``'s cleanup): the fit that recovers without it
+    recovers with it, each failure recorded once."""
+    from budget import ENV, script
+
+    out = python_in_subprocess(script("""
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+        import numpy as np, keras, memguard
+        from memguard.integrations.keras import MemguardCallback
+        model = keras.Sequential([keras.Input((256,)),
+                                  keras.layers.Dense(8192, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.rand(8192, 256).astype("float32")
+        y = np.random.rand(8192, 1).astype("float32")
+        callback = MemguardCallback()
+        model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0, callbacks=[callback])
+        memguard.free_memory()
+        set_budget(400)
+
+        @memguard.oom_retry(batch_size=8192, on_retry=callback.on_retry)
+        def train(batch_size):
+            return model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
+                             callbacks=[callback]).history
+
+        history = train()
+        print(json.dumps({"tried": [a.batch_size for a in train.history],
+                          "failures": [f["batch_size"] for f in callback.failures],
+                          "errors": [f["error"] for f in callback.failures],
+                          "logged": sorted(history)}))
+    """), env=ENV, timeout=300)
+    assert len(out["tried"]) >= 2 and out["tried"][0] == 8192
+    assert out["failures"] == out["tried"][:-1]
+    assert all("OOM when allocating tensor" in e for e in out["errors"])
+    assert "memory/host/peak" in out["logged"]

@@ -113,6 +113,34 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
     assert [s.name for s in callback.scopes] == ["lightning epoch 1"]  # warm-up again
 
 
+def oom_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "out of memory" in r.getMessage()]
+
+
+def test_an_oom_under_oom_retry_is_logged_once(caplog):
+    """Before: the callback's line at on_exception and oom_retry's retry line, both WARNING."""
+    class FailsOnce(Tiny):
+        def training_step(self, batch, index):
+            if self.trainer.train_dataloader.batch_size == 16 and index == 2:
+                torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
+            return super().training_step(batch, index)
+
+    callback = MemguardCallback()
+
+    @memguard.oom_retry(batch_size=16, on_retry=callback.on_retry)
+    def fit(batch_size):
+        trainer(callback, max_epochs=1).fit(FailsOnce(), DataLoader(DATA, batch_size=batch_size))
+
+    with caplog.at_level(logging.DEBUG, "memguard"):
+        fit()
+    [line] = oom_lines(caplog)
+    assert "DefaultCPUAllocator" in line and "retrying at batch_size=8" in line
+    [failure] = callback.failures
+    assert failure["batch_size"] == 16 and failure["step"] == 2
+    assert "lightning: out of memory during fit at step 2, batch_size=16" in caplog.text
+
+
 def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(monkeypatch):
     import memguard.cleanup
     from memguard.loop import error_text

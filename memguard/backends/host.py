@@ -157,6 +157,10 @@ class HostBackend(Backend):
         used = self.malloc_in_use()
         return Reading(rss if used is None else used, rss)
 
+    def read_in_use(self, device: str = HOST) -> Optional[int]:
+        used = self.malloc_in_use()
+        return self.rss() if used is None else used
+
     def read_peak(self, device: str = HOST) -> Optional[int]:
         rss = self.rss()
         if self._clear_refs_ok is False:

@@ -150,35 +150,80 @@ def is_module(obj: object) -> bool:
 
 
 class InferenceState:
-    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back."""
+    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
+    ``training`` flags of modules that set it as a plain attribute (``direct``) and of the
+    others (``flags``)."""
 
-    def __init__(self, context: Any, flags: list[tuple[Any, bool]]) -> None:
+    __slots__ = ("context", "direct", "flags")
+
+    def __init__(self, context: Any, direct: list[tuple[Any, bool]],
+                 flags: list[tuple[Any, bool]]) -> None:
         self.context = context
+        self.direct = direct
         self.flags = flags
+
+
+def _tree(model: Any) -> list[Any]:
+    """``model`` and its submodules, each once: what ``model.modules()`` yields, in another
+    order, without building each one's dotted name."""
+    out, seen = [model], {id(model)}
+    for module in out:  # grows while it is walked
+        for child in module._modules.values():  # noqa: SLF001 - the children, as modules() reads them
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+    return out
+
+
+def _inference_context(torch: Any) -> Any:
+    """``torch.inference_mode()``'s own C++ guard where torch has it (entering it directly
+    saves the Python wrapper's ~5 us), else the public context manager."""
+    guard = getattr(torch._C, "_InferenceMode", None)  # noqa: SLF001 - what torch.inference_mode enters
+    return torch.inference_mode() if guard is None else guard(True)
 
 
 def enter_inference(models: Iterable[Any]) -> Optional[InferenceState]:
     """Enter ``torch.inference_mode()`` and put every module in eval mode.
 
-    Returns ``None`` when torch is not imported and no model was given.
+    A model whose modules all keep ``torch.nn.Module``'s ``train`` and ``__setattr__`` has
+    its ``training`` flags written directly (what ``eval()`` does, without its walk through
+    ``Module.__setattr__``: ~10 us for a model of six modules); a model with a module that
+    overrides either gets its own ``eval()``. Returns ``None`` when torch is not imported and
+    no model was given.
     """
     models = list(models)
     if "torch" not in sys.modules and not models:
         return None
     torch = _torch()
-    flags = [(m, m.training) for model in models for m in model.modules()]
+    train, setattr_ = torch.nn.Module.train, torch.nn.Module.__setattr__
+    direct: list[tuple[Any, bool]] = []
+    flags: list[tuple[Any, bool]] = []
+    plain: list[Any] = []  # modules to turn off directly, once every flag is read
+    others: list[Any] = []  # models to turn off with their own eval()
     for model in models:
+        tree = _tree(model)
+        if all(type(m).train is train and type(m).__setattr__ is setattr_ for m in tree):
+            direct.extend((m, m.training) for m in tree)
+            plain.extend(tree)
+        else:
+            flags.extend((m, m.training) for m in tree)
+            others.append(model)
+    for module in plain:
+        object.__setattr__(module, "training", False)
+    for model in others:
         model.eval()
-    context = torch.inference_mode()
+    context = _inference_context(torch)
     try:
         context.__enter__()
     except BaseException:
-        _restore(flags)
+        _restore(direct, flags)
         raise
-    return InferenceState(context, flags)
+    return InferenceState(context, direct, flags)
 
 
-def _restore(flags: list[tuple[Any, bool]]) -> None:
+def _restore(direct: list[tuple[Any, bool]], flags: list[tuple[Any, bool]]) -> None:
+    for module, training in direct:
+        object.__setattr__(module, "training", training)
     for module, training in flags:
         module.training = training
 
@@ -190,7 +235,7 @@ def exit_inference(state: Optional[InferenceState]) -> None:
     try:
         state.context.__exit__(None, None, None)
     finally:
-        _restore(state.flags)
+        _restore(state.direct, state.flags)
 
 
 # -- tensors ------------------------------------------------------------------------------------

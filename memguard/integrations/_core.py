@@ -54,11 +54,12 @@ class Tracker:
     """
 
     def __init__(self, framework: str, max_leak: Optional[Size], track_tensors: bool,
-                 cleanup: Cleanup, log_every_n_steps: Optional[int]) -> None:
+                 cleanup: Cleanup, log_every_n_steps: Optional[int], run: str = "fit") -> None:
         (self.max_leak, self.track_tensors, self.cleanup,
          self.log_every_n_steps) = check_options(max_leak, track_tensors, cleanup,
                                                  log_every_n_steps)
         self.framework = framework
+        self.run = run  # what the framework calls a training run: "fit", "train"
         self.open: dict[str, MemoryScope] = {}
         self.ended: dict[str, int] = {TRAIN: 0, VAL: 0}
         self.scopes: list[MemoryScope] = []  # every closed scope, in order
@@ -158,9 +159,12 @@ class Tracker:
                batch_size: Optional[int] = None, memory: Optional[MemorySnapshot] = None,
                error: Optional[str] = None) -> Optional[dict[str, Any]]:
         """Record an out-of-memory (``exc``, or an ``oom_retry`` failure described by
-        ``error``): log it at WARNING with the memory at the failure, the batch size and the
-        step, close the open scopes unjudged and start the warm-up again. Returns the record,
-        or ``None`` when ``exc`` is not an out-of-memory (then only the scopes are closed)."""
+        ``error``): log it with the memory at the failure, the batch size and the step, close
+        the open scopes unjudged and start the warm-up again. The line is a WARNING unless an
+        ``oom_retry`` handles the failure (``error`` given, or ``exc`` raised inside one):
+        that one logs each out-of-memory it retries at WARNING, so this line is DEBUG and
+        each failure is logged once. Returns the record, or ``None`` when ``exc`` is not an
+        out-of-memory (then only the scopes are closed)."""
         oom = exc is None or is_oom_error(exc)
         self.close_all()
         self.ended = {TRAIN: 0, VAL: 0}
@@ -178,15 +182,16 @@ class Tracker:
                   "memory": memory.to_dict() if memory is not None else None}
         self.failures.append(record)
         self._failed = True
-        log.warning("%s: out of memory during fit at step %s, batch_size=%s (%s); memory at "
-                    "the failure: %s", self.framework, _unknown(step), _unknown(batch_size),
-                    text, memory_summary(memory))
+        level = logging.DEBUG if exc is None or retry_running() else logging.WARNING
+        log.log(level, "%s: out of memory during %s at step %s, batch_size=%s (%s); memory at "
+                "the failure: %s", self.framework, self.run, _unknown(step),
+                _unknown(batch_size), text, memory_summary(memory))
         return record
 
     def on_retry(self, attempt: Attempt) -> None:
-        """For ``oom_retry(on_retry=callback.on_retry)``: log the failure (unless the callback
-        saw it already) with the attempt's memory at the failure and batch size, and leave the
-        callback ready for the next attempt."""
+        """For ``oom_retry(on_retry=callback.on_retry)``: record the failure (unless the
+        callback saw it already) with the attempt's memory at the failure and batch size (at
+        DEBUG: ``oom_retry`` logged it), and leave the callback ready for the next attempt."""
         if self._failed:
             self._failed = False
             self.close_all()
@@ -215,13 +220,14 @@ class CallbackBase:
     #: (the trainer, the model): a pickled or copied callback leaves them out (``None``) and
     #: the framework links them again on the next run.
     _run_links: tuple[str, ...] = ()
+    _run = "fit"
 
     def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
                  cleanup: Cleanup = "auto",
                  log_every_n_steps: Optional[int] = None) -> None:
         super().__init__()
         self._tracker = Tracker(self._framework, max_leak, track_tensors, cleanup,
-                                log_every_n_steps)
+                                log_every_n_steps, self._run)
         self._init_state()
 
     def _init_state(self) -> None:
@@ -247,8 +253,9 @@ class CallbackBase:
         return self._tracker.failures
 
     def on_retry(self, attempt: Attempt) -> None:
-        """``oom_retry(on_retry=callback.on_retry)``: log the failure (unless the callback saw
-        it already) and be ready for the next attempt."""
+        """``oom_retry(on_retry=callback.on_retry)``: record the failure (unless the callback
+        saw it already; logged at DEBUG, ``oom_retry`` has logged it) and be ready for the next
+        attempt."""
         self._tracker.on_retry(attempt)
 
 
@@ -268,6 +275,14 @@ def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
+def retry_running() -> bool:
+    """Whether an ``oom_retry`` call runs in this thread or task (it logs each out-of-memory
+    it retries, so a callback inside it need not)."""
+    from ..loop import running
+
+    return running()
+
+
 def _error_text(exc: Optional[BaseException]) -> str:
     """The out-of-memory's text as ``oom_retry`` writes it into ``Attempt.error``."""
     return "out of memory" if exc is None else error_text(exc)
@@ -283,4 +298,5 @@ def missing(package: str, extra: str, what: str) -> ImportError:
                        f'pip install "memguard[{extra}]" (or pip install {package})')
 
 
-__all__ = ["CallbackBase", "Tracker", "check_options", "metrics_of", "missing"]
+__all__ = ["CallbackBase", "Tracker", "check_options", "metrics_of", "missing",
+           "retry_running"]

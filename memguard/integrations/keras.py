@@ -35,11 +35,13 @@ class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
     (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
 
     Keras tells its callbacks nothing about an exception: pass ``on_retry=callback.on_retry``
-    to the ``oom_retry`` around ``fit``, and an out-of-memory is logged at WARNING on the
-    ``memguard`` logger with the memory at the failure, the batch size and the last step
-    (also kept in ``failures``). Without it, the next ``fit`` closes what the failed one left
-    open. On a CPU under a host memory budget, TensorFlow's ``fit`` on numpy arrays often
-    aborts the process instead of raising: feed a ``tf.data.Dataset``.
+    to the ``oom_retry`` around ``fit``, and an out-of-memory is kept in ``failures`` with the
+    memory at the failure, the batch size and the last step (logged once: ``oom_retry``'s
+    WARNING line; the callback's, with the step, is DEBUG). Without it, the next ``fit``
+    closes what the failed one left open. On a CPU under a host memory budget, TensorFlow can
+    abort the process instead of raising (``std::bad_alloc``; seen with ``fit`` on numpy
+    arrays given ``validation_data``, with this callback and without it), which nothing in
+    the process can catch.
 
     >>> from memguard.integrations.keras import MemguardCallback
     >>> MemguardCallback(log_every_n_steps=100).failures

@@ -34,8 +34,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end (``"auto"``,
     ``"always"`` or ``"never"``, as for ``memory_scope``); nothing is done per step.
 
-    An out-of-memory during ``fit`` is logged at WARNING on the ``memguard`` logger with the
-    memory at the failure, the batch size and the step (also kept in ``failures``); the open
+    An out-of-memory during ``fit`` is kept in ``failures`` with the memory at the failure,
+    the batch size and the step, and logged once: at WARNING on the ``memguard`` logger, or at
+    DEBUG inside an ``oom_retry``, whose WARNING retry line reports it; the open
     scopes are closed and the warm-up starts again, so ``oom_retry`` around ``fit`` can run
     again. Pass ``on_retry=callback.on_retry`` to ``oom_retry``: it readies the callback (the
     next ``fit`` would too). ``scopes`` holds every finished scope.

@@ -38,11 +38,12 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     at each epoch's end (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
 
     The ``Trainer`` tells its callbacks nothing about an exception: pass
-    ``on_retry=callback.on_retry`` to the ``oom_retry`` around ``train``, and an
-    out-of-memory is logged at WARNING on the ``memguard`` logger with the memory at the
-    failure, the batch size and the last step (also kept in ``failures``), and the callback is
-    ready for the next attempt. Without it, the next ``train`` closes what the failed one
-    left open and starts the warm-up again. ``scopes`` holds every finished scope.
+    ``on_retry=callback.on_retry`` to the ``oom_retry`` around ``train``, and an out-of-memory
+    is kept in ``failures`` with the memory at the failure, the batch size and the last step
+    (logged once: ``oom_retry``'s WARNING line; the callback's, "out of memory during train at
+    step ...", is DEBUG), and the callback is ready for the next attempt. Without it, the next
+    ``train`` closes what the failed one left open and starts the warm-up again. ``scopes``
+    holds every finished scope.
 
     >>> from memguard.integrations.transformers import MemguardCallback
     >>> callback = MemguardCallback(max_leak="256MiB")
@@ -52,6 +53,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
 
     _framework = "transformers"
     _run_links = ("_trainer",)  # a weak reference, found again at the next train
+    _run = "train"
 
     def _init_state(self) -> None:
         self._trainer: Optional[weakref.ReferenceType] = None
