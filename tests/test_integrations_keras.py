@@ -127,7 +127,7 @@ def test_a_budgeted_fit_on_numpy_arrays_recovers_with_the_callback(python_in_sub
                              callbacks=[callback]).history
 
         history = train()
-        print(json.dumps({"tried": [a.batch_size for a in train.history],
+        print(json.dumps({"tried": [a.size for a in train.history],
                           "failures": [f["batch_size"] for f in callback.failures],
                           "errors": [f["error"] for f in callback.failures],
                           "logged": sorted(history)}))
