@@ -353,7 +353,8 @@ def test_split_is_logged_and_marked_for_monitors(caplog):
     finally:
         _events.unlisten(marks.append)
     assert marks == ["OOM at microbatch_size=256", "OOM at microbatch_size=128"]
-    assert "at microbatch_size=256" in caplog.text and "retrying at microbatch_size=64" in caplog.text
+    assert "at microbatch_size=256" in caplog.text
+    assert "retrying at microbatch_size=64" in caplog.text
 
 
 def test_bad_values_are_refused_at_decoration():
