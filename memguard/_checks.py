@@ -8,10 +8,15 @@ input the same way.
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
+import sys
+import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("memguard")
 
 
 def _prefix(who: Optional[str]) -> str:
@@ -124,3 +129,34 @@ def renamed(**names: str) -> Callable[[F], F]:
         return checked  # type: ignore[return-value]
 
     return decorate
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def warn_at_caller(message: str) -> None:
+    """Warn with a ``RuntimeWarning`` pointing at the first caller outside memguard (and
+    wrapt), so the warning names the user's line however deep inside memguard it is raised.
+    Where warnings are errors (``-W error``) it is logged at WARNING instead of raised: a
+    diagnostic never breaks the call, nor loses its result. Else it is logged at DEBUG only
+    (the warning is what the console shows, once).
+
+    Args:
+        message: the warning's text.
+    """
+    internal = _INTERNAL + _wrapt_folder()
+    level, frame = 1, sys._getframe(0)  # noqa: SLF001 - the caller's frames: no public way to walk them
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=level)
+    except Warning:  # the warning filter turned it into an error
+        log.warning("%s", message)
+    else:
+        log.debug("%s", message)
+
+
+def _wrapt_folder() -> tuple[str, ...]:
+    wrapt = sys.modules.get("wrapt")
+    path = getattr(wrapt, "__file__", None)
+    return (os.path.dirname(os.path.abspath(path)) + os.sep,) if path else ()

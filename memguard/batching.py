@@ -19,7 +19,8 @@ from .distributed import Sync
 from .errors import OutOfMemoryError, oom_kind
 from .loop import Attempt, Factor, Loop, Policy, exhausted
 from .scope import peak_book
-from .sizes import MemoryFit, SizeFile, check_path, size_key
+from .sizefile import SizeFile, check_path, size_key
+from .sizes import MemoryFit
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")

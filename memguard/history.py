@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any, Callable, Optional, TypeVar
 
-from ._checks import positive_int
+from ._checks import positive_int, warn_at_caller
 from ._decorate import guard
 from ._locks import ForkSafeLock
 from .backends import torch as torch_backend
@@ -33,9 +32,8 @@ def start_recording(max_entries: int) -> bool:
     if not torch_backend.history_supported():
         if not _warned:
             _warned = True
-            warnings.warn("memguard: recording memory history needs CUDA; without it "
-                          "record_history and oom_retry(snapshot_dir=...) do nothing",
-                          RuntimeWarning, stacklevel=3)
+            warn_at_caller("memguard: recording memory history needs CUDA; without it "
+                           "record_history and oom_retry(snapshot_dir=...) do nothing")
         return False
     with _lock:  # pragma: gpu
         if _depth == 0:

@@ -17,7 +17,7 @@ from .backends.budget import available as budget_available
 from .distributed import Sync
 from .history import dump, start_recording, stop_recording
 from .loop import Attempt, Factor, GuardState, Loop, Policy
-from .sizes import SizeFile, check_path, size_key
+from .sizefile import SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
 R = TypeVar("R")
@@ -286,7 +286,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
         cache: ``True``: start later calls of this process at the size that worked for the
             same start; ``False``: always start at the start size; a file path: also keep
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
-            keyed by the function's code (:func:`memguard.sizes.code_identity`), the start
+            keyed by the function's code (:func:`memguard.sizefile.code_identity`), the start
             size, ``factor`` and the device (written atomically under a lock; a file that is
             not memguard's is never written, a warning says why).
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot

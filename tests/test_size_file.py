@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import memguard
-from memguard.sizes import SizeFile, size_key
+from memguard.sizefile import SizeFile, size_key
 
 HUGE = 1 << 42
 

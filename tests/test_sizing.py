@@ -22,7 +22,8 @@ import memguard
 from memguard.backends import torch_state
 from memguard.backends.host import cgroup_memory_budget
 from memguard.errors import requested_bytes
-from memguard.sizes import SizeFile, size_after_oom
+from memguard.sizefile import SizeFile
+from memguard.sizes import size_after_oom
 
 from budget import ENV, script
 
@@ -345,7 +346,7 @@ def test_several_processes_share_one_size_file(tmp_path):
     path = str(tmp_path / "shared.json")
     code = textwrap.dedent("""
         import sys
-        from memguard.sizes import SizeFile
+        from memguard.sizefile import SizeFile
         sizes = SizeFile(sys.argv[1])
         for i in range(25):
             sizes.put(f"rank{sys.argv[2]} key{i}", i + 1)
@@ -395,7 +396,7 @@ def test_a_rewritten_size_file_keeps_its_mode_and_a_new_one_is_readable_by_all(t
 
 def test_the_size_file_lock_closes_its_descriptor_when_flock_fails(tmp_path, monkeypatch):
     fcntl = pytest.importorskip("fcntl")
-    from memguard import sizes
+    from memguard import sizefile as sizes
 
     opened = []
     real_open = os.open
