@@ -5,13 +5,20 @@ rank left waiting in a collective.
 The order of one call:
 
 1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
-   survives anything that follows).
+   survives anything that follows), and the model's persistent buffers are copied. Calls on
+   one model are serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
    collectives that a peer's out-of-memory would leave unmatched.
+   Before each backward the loss's graph is walked for tensors outside the model that
+   backward writes into: they are set aside with the model's. Between memguard's backward
+   calls the gradients must not change and the parameters' optimizers must not step: the
+   step function doing either is an error, not silently wrong gradients.
 3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
-   are dropped, memory is freed, and the pass is redone at a smaller slice size.
+   are dropped, the buffers are put back, memory is freed, and the pass is redone at a
+   smaller slice size (inside ``oom_retry``, once this call's sizes were all tried during the
+   outermost call, later calls try only the smallest and pass the out-of-memory on).
 4. Ranks agree after every pass, on memguard's gloo group: a rank that is done waits for the
    others; any rank's failure ends the step on every rank with an error.
 5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
@@ -30,13 +37,14 @@ from typing import Any, Callable, Literal, Optional, TypeVar
 from ._checks import fraction, optional_positive_int, positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._events import emit
+from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
 from ._units import format_bytes
 from .backends import torch_distributed, torch_training as training
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, OK, OOM, Agreement, Sync, check_sync
 from .errors import MemguardError, oom_kind
-from .retry import Attempt, GuardState, exhausted, failure, memory_summary
+from .retry import Attempt, GuardState, exhausted, failure, memory_summary, nested_gave_up
 from .sizes import next_size
 
 log = logging.getLogger("memguard")
@@ -79,17 +87,35 @@ class _Config:
 
 class _State(GuardState):
     """What an ``auto_microbatch`` step remembers between calls: the slice size that fitted,
-    the steps since the last out-of-memory, the last call's attempts, and tensors outside the
-    model that backward writes gradients into."""
+    the steps since the last out-of-memory, the last call's attempts, and the tensors outside
+    the model it has warned about."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.looked_outside = False  # the first call looks for leaves outside the model
-        self.extras: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        # the parameters outside the model warned about, by id
+        self.warned: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self.warned_other = False  # a tensor outside that is not a parameter (an input)
 
     def forget(self) -> None:
         self.microbatch_size: Optional[int] = None
         self.clean_steps = 0
+
+
+_MODELS_LOCK = ForkSafeLock()
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, ForkSafeLock]" = weakref.WeakKeyDictionary()
+
+
+def _model_lock(model: Any) -> ForkSafeLock:
+    """The lock that serialises ``auto_microbatch`` calls on ``model`` (every step function
+    decorated for it, and for the module a ``DistributedDataParallel`` wraps), re-entrant for
+    a step called inside another on the same thread."""
+    ddp = training.ddp_of(model)
+    key = ddp.module if ddp is not None else model
+    with _MODELS_LOCK:
+        lock = _MODEL_LOCKS.get(key)
+        if lock is None:
+            lock = _MODEL_LOCKS[key] = ForkSafeLock(reentrant=True)
+        return lock
 
 
 class _Step:
@@ -104,6 +130,12 @@ class _Step:
                     and state.clean_steps >= cfg.grow_every)
         self.size = remembered if remembered is not None and remembered < n else n
         self.fallback: Optional[int] = None
+        # inside oom_retry: the size this step gave up at earlier in the outermost call
+        self.gave_up = nested_gave_up()
+        resumed = self.gave_up.get(state) if self.gave_up is not None else None
+        self.final = resumed is not None
+        if resumed is not None:
+            self.size, grow = min(n, resumed), False
         if grow:
             self.fallback, self.size = self.size, min(n, math.ceil(self.size / cfg.factor))
             log.info("%s: %d clean steps at microbatch %d; trying %d", cfg.name,
@@ -114,8 +146,14 @@ class _Step:
         self.started = 0.0
         self.params = training.parameters(cfg.model)
         self.shared = len(self.params)  # the model's own: what DDP averages
-        with state.lock:
-            self.params += [t for t in state.extras.values() if t.requires_grad]
+        self.known = {id(p) for p in self.params}  # and those found outside it
+        self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
+        self.refusal = (f"{cfg.name}() called optimizer.step() on the parameters "
+                        f"auto_microbatch accumulates gradients for: auto_microbatch runs "
+                        f"backward itself, in slices when the batch does not fit, so inside "
+                        f"the step function the gradients are absent or partial; call "
+                        f"optimizer.step() after the decorated function returns")
+        self.buffers: Optional[training.Buffers] = None
         self.entry: list[Any] = []
         self.who = f"{cfg.name}()"
         self.ddp = training.ddp_of(cfg.model)
@@ -136,6 +174,7 @@ class _Step:
         self.entry = training.stash(self.params)
         try:
             with training.local_gradients(self.ddp) as syncs:
+                self.buffers = training.Buffers(self.cfg.model)  # after DDP's broadcast
                 total, present = self._passes(wrapped, args, kwargs, syncs)
             training.merge(self.params, self.entry)
         except BaseException:
@@ -190,41 +229,81 @@ class _Step:
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
         cfg, n, size = self.cfg, self.samples, self.size
+        self.marks = None  # every gradient was set aside or dropped: none is expected
         if size >= n:
-            return self._backward(wrapped(self.batch, *args, **kwargs), 1.0, None)
+            return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None,
+                                  True)
         total = None
         for start in range(0, n, size):
             stop = min(n, start + size)
             weight = 1.0 if cfg.reduction == "sum" else (stop - start) / n
             piece = self.plan.cut(self.batch, start, stop)
-            total = self._backward(wrapped(piece, *args, **kwargs), weight, total)
+            total = self._backward(self._call(wrapped, piece, args, kwargs), weight, total,
+                                   stop == n)
         return total
 
-    def _backward(self, loss: Any, weight: float, total: Any) -> Any:
+    def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
+        """The step function on one slice, its optimizers' steps on our parameters refused."""
+        token = training.refuse_steps(self.known, self.refusal)
+        try:
+            return wrapped(piece, *args, **kwargs)
+        finally:
+            training.allow_steps(token)
+
+    def _backward(self, loss: Any, weight: float, total: Any, last: bool) -> Any:
         training.check_loss(loss, self.who)
-        if not self.state.looked_outside and not self.cfg.sharded:
+        self._check_gradients()
+        if not self.cfg.sharded:
             self._look_outside(loss)
-        return training.backward(loss, weight, self.cfg.scaler, total)
+        total = training.backward(loss, weight, self.cfg.scaler, total)
+        if not last:
+            self.marks = training.grad_marks(self.params)
+        return total
+
+    def _check_gradients(self) -> None:
+        """The gradients are as memguard's last backward left them, or a clear error."""
+        appeared, vanished, modified = training.grads_changed(self.params, self.marks)
+        if not (appeared or vanished or modified):
+            return
+        if vanished:
+            what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
+        elif appeared and self.marks is None:
+            what = "gradients were written before memguard's backward: a backward() of its own"
+        else:
+            what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
+                    "False), or clipping")
+        raise RuntimeError(
+            f"{self.cfg.name}() changed the gradients of {appeared + vanished + modified} of "
+            f"the {len(self.params)} tensors auto_microbatch accumulates gradients for ({what}). "
+            f"auto_microbatch runs backward itself, once per slice, and the step function "
+            f"must only return the loss: call zero_grad(), clip_grad_norm_() and "
+            f"optimizer.step() after the decorated function returns")
 
     def _look_outside(self, loss: Any) -> None:
-        """Once, before the first backward: tensors outside the model that backward writes
-        gradients into are set aside with the model's, so that a failed pass's share of them
-        is dropped too; parameters among them are remembered for later calls."""
-        found = training.outside(loss, self.params)
-        with self.state.lock:
-            self.state.looked_outside = True
-            for tensor in found:
-                if training.is_parameter(tensor):
-                    self.state.extras[id(tensor)] = tensor
+        """Before each backward: tensors outside the model that backward writes gradients
+        into are set aside with the model's, so that a failed pass's share of them is
+        dropped too (a walk of the loss's graph, on every call: a tensor may first take part
+        in a later call or a later slice)."""
+        found = training.outside(loss, self.known)
         if not found:
+            return
+        self.params += found
+        self.entry += training.stash(found)
+        with self.state.lock:
+            new = [t for t in found
+                   if training.is_parameter(t) and id(t) not in self.state.warned]
+            self.state.warned.update((id(t), t) for t in new)
+            other = [t for t in found if not training.is_parameter(t)]
+            if other and not self.state.warned_other:
+                self.state.warned_other = True
+                new += other
+        if not new:
             return
         log.warning("%s: backward writes gradients into %d tensor(s) outside the model given "
                     "to auto_microbatch (%s): memguard handles them too, but pass a module "
                     "that holds every trained parameter (torch.nn.ModuleList([model, head]))",
-                    self.cfg.name, len(found),
-                    ", ".join(training.describe(t) for t in found[:4]))
-        self.params += found
-        self.entry += training.stash(found)
+                    self.cfg.name, len(new),
+                    ", ".join(training.describe(t) for t in new[:4]))
 
     # -- an out-of-memory ------------------------------------------------------------------
     def _failed(self, exc: BaseException) -> tuple[int, bool]:
@@ -237,6 +316,8 @@ class _Step:
         emit(f"OOM at microbatch={self.size}")
         drop_frames(exc)
         if upcoming is None:
+            if self.gave_up is not None:  # inside oom_retry: only this size, from now on
+                self.gave_up[self.state] = self.size
             return OOM, True
         self.size = upcoming
         return OOM, False
@@ -245,13 +326,16 @@ class _Step:
         if self.fallback is not None:  # a larger size tried after clean steps: step back
             size, self.fallback = self.fallback, None
             return size
-        if self.size <= self.cfg.min_size:
+        if self.final or self.size <= self.cfg.min_size:
             return None
         return next_size(self.cfg.factor, self.size, self.cfg.min_size)
 
     def _recover(self) -> int:
-        """Outside ``except``: drop the failed pass's gradients, free its memory."""
+        """Outside ``except``: drop the failed pass's gradients, put the buffers back, free
+        its memory."""
         training.drop(self.params)
+        if self.buffers is not None:
+            self.buffers.load()
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
         return free_memory()
@@ -337,13 +421,15 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
         cfg = _Config(func, model, min_size, factor, reduction, grow_every, scaler, sync,
                       sharded)
         state = _State()
+        lock = _model_lock(model)
 
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
             plan = plan_batch(batch)
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
-            return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
+            with lock:  # one step at a time on a model: threads' gradients add up exactly
+                return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
 
         return with_statistics(
             func, wrapper,

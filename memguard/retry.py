@@ -203,13 +203,25 @@ class _Nest:
     """The ``oom_retry`` calls running in one context, outermost first, and the size at which
     each guard gave up (while nested) during the outermost call."""
 
-    def __init__(self, states: tuple[_State, ...], gave_up: dict[_State, int]) -> None:
+    def __init__(self, states: tuple[_State, ...], gave_up: dict[GuardState, int]) -> None:
         self.states = states
         self.gave_up = gave_up
 
 
 # Per task and per thread, as contexts are: a guard called by another guard is nested in it.
 _NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_oom_retry_nest", default=None)
+
+
+def nested_gave_up() -> Optional[dict[GuardState, int]]:
+    """Inside an ``oom_retry`` call: the sizes at which guards nested in it gave up during
+    its outermost call, by guard state (another guard, ``auto_microbatch``, reads and records
+    its own there to walk its sizes once per outermost call); ``None`` outside any.
+
+    >>> nested_gave_up() is None
+    True
+    """
+    nest = _NEST.get()
+    return nest.gave_up if nest is not None else None
 
 
 class _Run:
