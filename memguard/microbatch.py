@@ -144,7 +144,7 @@ class _Step:
         with state.lock:
             state.history = self.attempts
         self.started = 0.0
-        self.params = training.parameters(cfg.model)
+        self.params, self.slots = training.trained(cfg.model)
         self.shared = len(self.params)  # the model's own: what DDP averages
         self.known = {id(p) for p in self.params}  # and those found outside it
         self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
@@ -174,7 +174,7 @@ class _Step:
         self.entry = training.stash(self.params)
         try:
             with training.local_gradients(self.ddp) as syncs:
-                self.buffers = training.Buffers(self.cfg.model)  # after DDP's broadcast
+                self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
                 total, present = self._passes(wrapped, args, kwargs, syncs)
             training.merge(self.params, self.entry)
         except BaseException:

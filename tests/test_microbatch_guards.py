@@ -150,6 +150,29 @@ def test_batchnorm_statistics_equal_plain_accumulation_over_the_slices(where):
     assert_close(grads(model), grads(reference), 1e-5)
 
 
+def test_a_buffer_replaced_in_forward_gets_its_entry_values_back():
+    class Counting(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("scratch", torch.zeros(()), persistent=False)
+
+        def forward(self, x):
+            self.seen = self.seen + len(x)  # a new tensor each time, not an in-place update
+            self.scratch += 1  # not in the state_dict: left as the passes leave it
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Counting()
+    model.forward_limit = 70
+    x, y = data(256)
+    step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+    step((x, y))
+    assert [a.batch_size for a in step.history] == [256, 128, 64]
+    assert model.seen.item() == 256  # the four slices of 64, not the failed passes too
+    assert model.scratch.item() == 6
+
+
 # -- threads ---------------------------------------------------------------------------------------
 def test_two_threads_stepping_one_model_add_up_exactly():
     torch.manual_seed(0)

@@ -31,6 +31,31 @@ def parameters(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+Slot = tuple[Any, str, Any]
+"""A buffer where its module holds it: ``(module, name, buffer)``."""
+
+
+def trained(model: Any) -> tuple[list[Any], list[Slot]]:
+    """In one walk over ``model``'s modules: the parameters that take gradients (each once,
+    in ``model.parameters()`` order) and the persistent buffers (those the ``state_dict``
+    holds: BatchNorm's running statistics and batch count)."""
+    params: list[Any] = []
+    slots: list[Slot] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for p in module._parameters.values():  # noqa: SLF001 - one walk for both
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+        buffers = module._buffers  # noqa: SLF001 - with their owner and persistence
+        if buffers:
+            skip = module._non_persistent_buffers_set  # noqa: SLF001 - what state_dict skips
+            slots.extend((module, name, b) for name, b in buffers.items()
+                         if b is not None and name not in skip)
+    return params, slots
+
+
 def stash(params: list[Any]) -> list[Any]:
     """Move each parameter's gradient aside; the parameters are left with none."""
     saved = [p.grad for p in params]
@@ -111,22 +136,17 @@ def describe(tensor: Any) -> str:
 
 
 class Buffers:
-    """A copy of a model's persistent buffers (those its ``state_dict`` holds: BatchNorm's
-    running statistics and batch count), to put back after a failed forward moved them.
+    """A copy of a model's persistent buffers (the ``slots`` from :func:`trained`), to put
+    back after a failed forward moved them.
 
     The copy is one flat tensor per device and dtype: a few kernel launches, whatever the
     number of buffers, and as many bytes as the buffers hold.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, slots: list[Slot]) -> None:
         import torch
 
-        self.slots: list[tuple[Any, str, Any]] = []  # (module, name, the buffer on entry)
-        for module in model.modules():
-            skip = module._non_persistent_buffers_set  # noqa: SLF001 - what state_dict skips
-            for name, buffer in module._buffers.items():  # noqa: SLF001 - with the owner
-                if buffer is not None and name not in skip:
-                    self.slots.append((module, name, buffer))
+        self.slots = slots  # the buffers on entry, where their modules hold them
         groups: dict[tuple, list[Any]] = {}
         for _, _, buffer in self.slots:
             groups.setdefault((buffer.device, buffer.dtype, buffer.layout), []).append(buffer)
