@@ -377,6 +377,18 @@ def auto_microbatch(model: Any, *, min_size: int = 1, factor: float = 0.5,
     the number of slices, ``next_batch_size`` the slice size the failed pass is redone at);
     ``.reset()`` forgets the size.
 
+    What a failed pass leaves is undone: its gradients (also those of tensors outside
+    ``model`` that backward writes into, looked for before every backward) and the moves of
+    ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
+    over the slices leaves them). Calls on one model are serialised: a thread's step waits
+    for another thread's step on the same model, and the gradients add up as plain torch's
+    would. The decorated function must only compute the loss: an ``optimizer.step()`` of
+    ``model``'s parameters inside it is refused before it steps, and gradients changed
+    between memguard's backward calls (``zero_grad()``, a ``backward()`` of its own,
+    clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored.
+    Inside :func:`oom_retry`, once every size failed during the outermost call, later calls
+    try only the smallest and pass the out-of-memory on (as nested ``oom_retry`` guards do).
+
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
     rank's out-of-memory, in forward or backward, hangs no one), and the gradients are
