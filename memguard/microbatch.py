@@ -102,7 +102,9 @@ class _State(GuardState):
 
 
 _MODELS_LOCK = ForkSafeLock()
-_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, ForkSafeLock]" = weakref.WeakKeyDictionary()
+# by the model's id (a module need not be hashable); an entry lives while a step function
+# decorated for the model does
+_MODEL_LOCKS: "weakref.WeakValueDictionary[int, ForkSafeLock]" = weakref.WeakValueDictionary()
 
 
 def _model_lock(model: Any) -> ForkSafeLock:
@@ -112,9 +114,9 @@ def _model_lock(model: Any) -> ForkSafeLock:
     ddp = training.ddp_of(model)
     key = ddp.module if ddp is not None else model
     with _MODELS_LOCK:
-        lock = _MODEL_LOCKS.get(key)
+        lock = _MODEL_LOCKS.get(id(key))
         if lock is None:
-            lock = _MODEL_LOCKS[key] = ForkSafeLock(reentrant=True)
+            lock = _MODEL_LOCKS[id(key)] = ForkSafeLock(reentrant=True)
         return lock
 
 

@@ -148,12 +148,18 @@ class Buffers:
 
         self.slots = slots  # the buffers on entry, where their modules hold them
         groups: dict[tuple, list[Any]] = {}
+        seen: set[int] = set()  # a buffer that two modules share is copied once
         for _, _, buffer in self.slots:
-            groups.setdefault((buffer.device, buffer.dtype, buffer.layout), []).append(buffer)
+            if id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            plain = type(buffer) is torch.Tensor and buffer.layout == torch.strided
+            key = (buffer.device, buffer.dtype) if plain else ("own", id(buffer))
+            groups.setdefault(key, []).append(buffer)
         self.copies: dict[int, Any] = {}  # id of the entry buffer: its values on entry
         with torch.no_grad():
-            for (_, _, layout), tensors in groups.items():
-                if layout != torch.strided or len(tensors) == 1:
+            for tensors in groups.values():  # a subclass (DTensor) or sparse one: a clone
+                if len(tensors) == 1:
                     self.copies.update((id(t), t.clone()) for t in tensors)
                     continue
                 flat = torch.cat([t.reshape(-1) for t in tensors])
