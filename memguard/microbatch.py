@@ -5,13 +5,20 @@ rank left waiting in a collective.
 The order of one call:
 
 1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
-   survives anything that follows).
+   survives anything that follows), and the model's persistent buffers are copied. Calls on
+   one model are serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
    collectives that a peer's out-of-memory would leave unmatched.
+   Before each backward the loss's graph is walked for tensors outside the model that
+   backward writes into: they are set aside with the model's. Between memguard's backward
+   calls the gradients must not change and the parameters' optimizers must not step: the
+   step function doing either is an error, not silently wrong gradients.
 3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
-   are dropped, memory is freed, and the pass is redone at a smaller slice size.
+   are dropped, the buffers are put back, memory is freed, and the pass is redone at a
+   smaller slice size (inside ``oom_retry``, once this call's sizes were all tried during the
+   outermost call, later calls try only the smallest and pass the out-of-memory on).
 4. Ranks agree after every pass, on memguard's gloo group: a rank that is done waits for the
    others; any rank's failure ends the step on every rank with an error.
 5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
@@ -28,6 +35,7 @@ from typing import Any, Callable, Literal, Optional, ParamSpec, Protocol, TypeVa
 
 from ._checks import optional_positive_int, renamed
 from ._decorate import function_kind, name_of, with_statistics
+from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
 from .backends import torch_distributed, torch_training as training
 from .cleanup import free_memory
@@ -94,17 +102,37 @@ class _Config:
 
 class _State(GuardState):
     """What an ``auto_microbatch`` step remembers between calls: the slice size that fitted,
-    the steps since the last out-of-memory, the last call's attempts, and tensors outside the
-    model that backward writes gradients into."""
+    the steps since the last out-of-memory, the last call's attempts, and the tensors outside
+    the model it has warned about."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.looked_outside = False  # the first call looks for leaves outside the model
-        self.extras: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        # the parameters outside the model warned about, by id
+        self.warned: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self.warned_other = False  # a tensor outside that is not a parameter (an input)
 
     def forget(self) -> None:
         self.microbatch_size: Optional[int] = None
         self.clean_steps = 0
+
+
+_MODELS_LOCK = ForkSafeLock()
+# by the model's id (a module need not be hashable); an entry lives while a step function
+# decorated for the model does
+_MODEL_LOCKS: "weakref.WeakValueDictionary[int, ForkSafeLock]" = weakref.WeakValueDictionary()
+
+
+def _model_lock(model: Any) -> ForkSafeLock:
+    """The lock that serialises ``auto_microbatch`` calls on ``model`` (every step function
+    decorated for it, and for the module a ``DistributedDataParallel`` wraps), re-entrant for
+    a step called inside another on the same thread."""
+    ddp = training.ddp_of(model)
+    key = ddp.module if ddp is not None else model
+    with _MODELS_LOCK:
+        lock = _MODEL_LOCKS.get(id(key))
+        if lock is None:
+            lock = _MODEL_LOCKS[id(key)] = ForkSafeLock(reentrant=True)
+        return lock
 
 
 class _Step(Loop):
@@ -132,10 +160,16 @@ class _Step(Loop):
         super().__init__(cfg.name, size, cfg.policy, owner=state)
         with state.lock:
             state.history = self.attempts
-        self.params = training.parameters(cfg.model)
+        self.params, self.slots = training.trained(cfg.model)
         self.shared = len(self.params)  # the model's own: what DDP averages
-        with state.lock:
-            self.params += [t for t in state.extras.values() if t.requires_grad]
+        self.known = {id(p) for p in self.params}  # and those found outside it
+        self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
+        self.refusal = (f"{cfg.name}() called optimizer.step() on the parameters "
+                        f"auto_microbatch accumulates gradients for: auto_microbatch runs "
+                        f"backward itself, in slices when the batch does not fit, so inside "
+                        f"the step function the gradients are absent or partial; call "
+                        f"optimizer.step() after the decorated function returns")
+        self.buffers: Optional[training.Buffers] = None
         self.entry: list[Any] = []
         self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
         self.ddp = training.ddp_of(cfg.model)
@@ -157,6 +191,7 @@ class _Step(Loop):
         try:
             with training.local_gradients(self.ddp) as syncs:
                 self.syncs = syncs
+                self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
@@ -172,41 +207,81 @@ class _Step(Loop):
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
         cfg, n, size = self.cfg, self.samples, self.size
+        self.marks = None  # every gradient was set aside or dropped: none is expected
         if size >= n:
-            return self._backward(wrapped(self.batch, *args, **kwargs), 1.0, None)
+            return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None,
+                                  True)
         total = None
         for start in range(0, n, size):
             stop = min(n, start + size)
             weight = 1.0 if cfg.reduction == "sum" else (stop - start) / n
             piece = self.plan.cut(self.batch, start, stop)
-            total = self._backward(wrapped(piece, *args, **kwargs), weight, total)
+            total = self._backward(self._call(wrapped, piece, args, kwargs), weight, total,
+                                   stop == n)
         return total
 
-    def _backward(self, loss: Any, weight: float, total: Any) -> Any:
+    def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
+        """The step function on one slice, its optimizers' steps on our parameters refused."""
+        token = training.refuse_steps(self.known, self.refusal)
+        try:
+            return wrapped(piece, *args, **kwargs)
+        finally:
+            training.allow_steps(token)
+
+    def _backward(self, loss: Any, weight: float, total: Any, last: bool) -> Any:
         training.check_loss(loss, f"{self.who}()")
-        if not self.state.looked_outside and not self.cfg.sharded:
+        self._check_gradients()
+        if not self.cfg.sharded:
             self._look_outside(loss)
-        return training.backward(loss, weight, self.cfg.scaler, total)
+        total = training.backward(loss, weight, self.cfg.scaler, total)
+        if not last:
+            self.marks = training.grad_marks(self.params)
+        return total
+
+    def _check_gradients(self) -> None:
+        """The gradients are as memguard's last backward left them, or a clear error."""
+        appeared, vanished, modified = training.grads_changed(self.params, self.marks)
+        if not (appeared or vanished or modified):
+            return
+        if vanished:
+            what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
+        elif appeared and self.marks is None:
+            what = "gradients were written before memguard's backward: a backward() of its own"
+        else:
+            what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
+                    "False), or clipping")
+        raise RuntimeError(
+            f"{self.cfg.name}() changed the gradients of {appeared + vanished + modified} of "
+            f"the {len(self.params)} tensors auto_microbatch accumulates gradients for ({what}). "
+            f"auto_microbatch runs backward itself, once per slice, and the step function "
+            f"must only return the loss: call zero_grad(), clip_grad_norm_() and "
+            f"optimizer.step() after the decorated function returns")
 
     def _look_outside(self, loss: Any) -> None:
-        """Once, before the first backward: tensors outside the model that backward writes
-        gradients into are set aside with the model's, so that a failed pass's share of them
-        is dropped too; parameters among them are remembered for later calls."""
-        found = training.outside(loss, self.params)
-        with self.state.lock:
-            self.state.looked_outside = True
-            for tensor in found:
-                if training.is_parameter(tensor):
-                    self.state.extras[id(tensor)] = tensor
+        """Before each backward: tensors outside the model that backward writes gradients
+        into are set aside with the model's, so that a failed pass's share of them is
+        dropped too (a walk of the loss's graph, on every call: a tensor may first take part
+        in a later call or a later slice)."""
+        found = training.outside(loss, self.known)
         if not found:
+            return
+        self.params += found
+        self.entry += training.stash(found)
+        with self.state.lock:
+            new = [t for t in found
+                   if training.is_parameter(t) and id(t) not in self.state.warned]
+            self.state.warned.update((id(t), t) for t in new)
+            other = [t for t in found if not training.is_parameter(t)]
+            if other and not self.state.warned_other:
+                self.state.warned_other = True
+                new += other
+        if not new:
             return
         log.warning("%s: backward writes gradients into %d tensor(s) outside the model given "
                     "to auto_microbatch (%s): memguard handles them too, but pass a module "
                     "that holds every trained parameter (torch.nn.ModuleList([model, head]))",
-                    self.cfg.name, len(found),
-                    ", ".join(training.describe(t) for t in found[:4]))
-        self.params += found
-        self.entry += training.stash(found)
+                    self.cfg.name, len(new),
+                    ", ".join(training.describe(t) for t in new[:4]))
 
     # -- the loop's hooks ------------------------------------------------------------------
     def steps(self) -> int:
@@ -227,8 +302,10 @@ class _Step(Loop):
         return self.proposal  # each rank cuts its own batch: its own size
 
     def recover(self, retrying: bool) -> int:
-        """Drop the failed pass's gradients, free its memory."""
+        """Drop the failed pass's gradients, put the buffers back, free its memory."""
         training.drop(self.params)
+        if self.buffers is not None:
+            self.buffers.load()
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
         return free_memory()
@@ -270,6 +347,16 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
     go to every slice as they are. The size that fitted is kept for later calls; batches no
     larger run whole.
+
+    What a failed pass leaves is undone: its gradients (also those of tensors outside
+    ``model`` that backward writes into, looked for before every backward) and the moves of
+    ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
+    over the slices leaves them). Calls on one model are serialised: a thread's step waits
+    for another thread's step on the same model, and the gradients add up as plain torch's
+    would. The decorated function must only compute the loss: an ``optimizer.step()`` of
+    ``model``'s parameters inside it is refused before it steps, and gradients changed
+    between memguard's backward calls (``zero_grad()``, a ``backward()`` of its own,
+    clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored.
 
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
@@ -341,13 +428,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                             f"{name_of(func)}: backward runs synchronously")
         cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded)
         state = _State()
+        lock = _model_lock(model)
 
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
             plan = plan_batch(batch)
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
-            return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
+            with lock:  # one step at a time on a model: threads' gradients add up exactly
+                return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
 
         return with_statistics(
             func, wrapper,

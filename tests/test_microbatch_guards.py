@@ -1,0 +1,384 @@
+"""auto_microbatch never gives silently wrong gradients: tensors outside the model found on
+any call, buffers put back before a pass is redone, calls on one model serialised across
+threads, the step function's own optimizer step / zero_grad / backward refused, and the
+ladder walked once inside oom_retry.
+
+Out-of-memory errors are real torch CPU allocator failures (a request for petabytes) placed
+at an exact point of forward or backward, as in test_microbatch.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memguard
+
+
+class Hungry(torch.autograd.Function):
+    """Identity whose backward runs out of memory for more than ``limit`` samples."""
+
+    @staticmethod
+    def forward(ctx, x, limit):
+        ctx.limit = limit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.shape[0] > ctx.limit:
+            torch.empty(grad.shape[0] << 42)
+        return grad, None
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width=16, norm=False):
+        super().__init__()
+        self.first = torch.nn.Linear(8, width)
+        self.norm = torch.nn.BatchNorm1d(width) if norm else torch.nn.Identity()
+        self.second = torch.nn.Linear(width, 1)
+        self.forward_limit = 10**9
+        self.backward_limit = 10**9
+
+    def forward(self, x):
+        hidden = self.norm(self.first(x))  # BatchNorm's statistics move before any failure
+        if x.shape[0] > self.forward_limit:
+            torch.empty(x.shape[0] << 42)
+        hidden = Hungry.apply(torch.relu(hidden), self.backward_limit)
+        return self.second(hidden)
+
+
+def data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+
+def pair(**kwargs):
+    torch.manual_seed(0)
+    model = Net(**kwargs)
+    return model, copy.deepcopy(model)
+
+
+def grads(model):
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def assert_close(a, b, tol=1e-6):
+    for x, y in zip(a, b, strict=True):
+        assert (x - y).abs().max().item() <= tol
+
+
+# -- tensors outside the model -----------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["parameter", "tensor"])
+def test_a_tensor_outside_the_model_first_used_on_a_later_call_loses_the_failed_pass(kind,
+                                                                                      caplog):
+    body, reference = pair()
+    scale = torch.tensor([1.5], requires_grad=True)
+    if kind == "parameter":
+        scale = torch.nn.Parameter(scale.detach())
+    reference_scale = scale.detach().clone().requires_grad_(True)
+    x, y = data(128)
+    scaled = []
+
+    @memguard.auto_microbatch(body)
+    def loss_of(batch):
+        out = body(batch[0])
+        return F.mse_loss(out * scale if scaled else out, batch[1])
+
+    loss_of((x[:32], y[:32]))  # fits whole, and nothing outside the model takes part yet
+    body.zero_grad()
+    scaled.append(True)  # from now on a soft scale beside the model is trained too
+    body.backward_limit = 50  # scale's gradient exists when backward fails inside body
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        loss_of((x, y))
+    assert [a.size for a in loss_of.history] == [128, 64, 32]
+    F.mse_loss(reference(x) * reference_scale, y).backward()
+    assert scale.grad.item() == pytest.approx(reference_scale.grad.item(), abs=1e-5)
+    assert_close(grads(body), grads(reference))
+    assert "1 tensor(s) outside the model" in caplog.text
+
+
+def test_a_tensor_used_only_by_a_later_slice_loses_the_failed_pass():
+    body, reference = pair()
+    scale = torch.nn.Parameter(torch.tensor([1.5]))
+    reference_scale = scale.detach().clone().requires_grad_(True)
+    x, y = data(128)
+    body.forward_limit = 100  # the whole batch fails in forward, before any backward
+
+    def loss(model, factor, xs, ys, first):
+        out = model(xs)
+        if not first:  # scale takes its share, then backward fails above 40 samples
+            out = Hungry.apply(out, 40) * factor
+        return F.mse_loss(out, ys)
+
+    @memguard.auto_microbatch(body)
+    def loss_of(batch):
+        return loss(body, scale, batch[0], batch[1], batch[2][0] == 0)
+
+    loss_of((x, y, torch.arange(128)))
+    assert [a.size for a in loss_of.history] == [128, 64, 32]
+    for start in range(0, 128, 32):
+        (loss(reference, reference_scale, x[start:start + 32], y[start:start + 32],
+              start == 0) * 0.25).backward()
+    assert scale.grad.item() == pytest.approx(reference_scale.grad.item(), abs=1e-5)
+    assert_close(grads(body), grads(reference))
+
+
+# -- buffers -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_batchnorm_statistics_equal_plain_accumulation_over_the_slices(where):
+    model, reference = pair(norm=True)
+    setattr(model, f"{where}_limit", 70)
+    x, y = data(256)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    assert [a.size for a in loss_of.history] == [256, 128, 64]
+    for start in range(0, 256, 64):  # what plain accumulation over the slices gives
+        (F.mse_loss(reference(x[start:start + 64]), y[start:start + 64]) / 4).backward()
+    ours, theirs = model.norm, reference.norm
+    assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 4
+    assert torch.allclose(ours.running_mean, theirs.running_mean, atol=1e-6)
+    assert torch.allclose(ours.running_var, theirs.running_var, atol=1e-6)
+    assert_close(grads(model), grads(reference), 1e-5)
+
+
+def test_a_buffer_replaced_in_forward_gets_its_entry_values_back():
+    class Counting(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+            self.register_buffer("scratch", torch.zeros(()), persistent=False)
+
+        def forward(self, x):
+            self.seen = self.seen + len(x)  # a new tensor each time, not an in-place update
+            self.scratch += 1  # not in the state_dict: left as the passes leave it
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Counting()
+    model.forward_limit = 70
+    x, y = data(256)
+    step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+    step((x, y))
+    assert [a.size for a in step.history] == [256, 128, 64]
+    assert model.seen.item() == 256  # the four slices of 64, not the failed passes too
+    assert model.scratch.item() == 6
+
+
+# -- threads ---------------------------------------------------------------------------------------
+def test_threads_stepping_one_model_add_up_exactly():
+    torch.manual_seed(0)
+    model = Net(width=256)
+    reference = copy.deepcopy(model)
+    model.forward_limit = 50
+    x, y = data(128)
+
+    @memguard.auto_microbatch(model)
+    def step(batch):
+        time.sleep(0.002)  # the batch arriving, say: another thread runs meanwhile
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    threads, steps = 4, 4
+    start = threading.Barrier(threads)
+    errors = []
+
+    def train():
+        try:
+            start.wait()
+            for _ in range(steps):
+                step((x, y))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=train) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    assert errors == []
+    F.mse_loss(reference(x), y).backward()
+    ratios = [(p.grad.norm() / (q.grad.norm() * threads * steps)).item()
+              for p, q in zip(model.parameters(), reference.parameters(), strict=True)]
+    assert ratios == pytest.approx([1.0] * len(ratios), abs=1e-4)  # every step counted once
+
+
+def test_a_thread_waits_for_the_other_threads_step_on_the_same_model():
+    model, _ = pair()
+    x, y = data(32)
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    @memguard.auto_microbatch(model)
+    def slow(batch):
+        order.append("slow")
+        inside.set()
+        release.wait(10)
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    other = memguard.auto_microbatch(model)(  # another step function on the same model
+        lambda b: order.append("other") or F.mse_loss(model(b[0]), b[1]))
+    first = threading.Thread(target=slow, args=((x, y),))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=other, args=((x, y),))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and order == ["slow"]  # waiting, not running beside it
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert order == ["slow", "other"]
+
+
+# -- the step function's own optimizer step, zero_grad and backward ------------------------------
+@pytest.mark.parametrize("split", [False, True])
+def test_optimizer_step_inside_the_step_function_is_refused(split):
+    model, _ = pair()
+    x, y = data(128)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.mse_loss(model(x), y).backward()  # gradients on entry, kept on purpose
+    model.forward_limit = 50 if split else 10**9  # split: the step comes between slices
+    entry = grads(model)
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        optimizer.step()
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"called optimizer\.step\(\)") as info:
+        loss_of((x, y))
+    assert "after the decorated function returns" in str(info.value)
+    assert_close(grads(model), entry, 0.0)  # restored
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+def test_an_optimizer_of_other_parameters_may_step_inside():
+    model, reference = pair()
+    other = torch.nn.Linear(2, 2)
+    inner = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.ones(1, 2)).sum().backward()
+    x, y = data(64)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        inner.step()  # a model of its own, trained inside: not memguard's business
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    F.mse_loss(reference(x), y).backward()
+    assert_close(grads(model), grads(reference))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_inside_the_step_function_with_a_split_is_refused(set_to_none):
+    model, _ = pair()
+    model.forward_limit = 50
+    x, y = data(128)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\)"):
+        loss_of((x, y))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_backward_inside_the_step_function_is_refused(split):
+    model, _ = pair()
+    model.forward_limit = 50 if split else 10**9
+    x, y = data(128)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        loss.backward(retain_graph=True)
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"backward\(\)") as info:
+        loss_of((x, y))
+    assert "auto_microbatch runs backward itself" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_embedding_renormalised_in_forward_is_no_mistake():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 1))
+    ids = torch.randint(0, 10, (64, 3), generator=torch.Generator().manual_seed(1))
+    limit = [10**9]
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        if len(batch) > limit[0]:
+            torch.empty(len(batch) << 42)
+        return model(batch).pow(2).mean()
+
+    loss_of(ids)
+    limit[0] = 20
+    loss_of(ids)  # the embedding's weight changes in place in every slice's forward
+    assert [a.size for a in loss_of.history] == [64, 32, 16]
+
+
+# -- inside oom_retry -----------------------------------------------------------------------
+@pytest.mark.slow
+def test_inside_oom_retry_the_ladder_is_walked_once_per_outermost_call():
+    model, _ = pair()
+    model.forward_limit = 0  # nothing fits
+    x, y = data(8)
+    calls = []
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        calls.append(len(batch[0]))
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    @memguard.oom_retry(batch_size=8, min_batch_size=2)
+    def train(batch_size):
+        return loss_of((x[:batch_size], y[:batch_size]))
+
+    for _ in range(2):  # a new outermost call walks the inner ladder again
+        calls.clear()
+        with pytest.raises(memguard.OutOfMemoryError):
+            train()
+        assert [a.size for a in train.history] == [8, 4, 2]
+        # 8, 4, 2, 1 once, then one attempt at 1 per smaller outer size: 4 + 3 - 1
+        assert calls == [8, 4, 2, 1, 1, 1]
+    calls.clear()
+    with pytest.raises(memguard.OutOfMemoryError):
+        loss_of((x, y))  # alone, it walks its own ladder as before
+    assert calls == [8, 4, 2, 1]
+
+
+@pytest.mark.slow
+def test_inside_oom_retry_a_smaller_outer_batch_that_fits_succeeds():
+    model, reference = pair()
+    model.forward_limit = 3
+    x, y = data(16)
+
+    @memguard.auto_microbatch(model, min_batch_size=4)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    @memguard.oom_retry(batch_size=16, min_batch_size=2)
+    def train(batch_size):
+        return loss_of((x[:batch_size], y[:batch_size]))
+
+    train()
+    assert [a.size for a in train.history] == [16, 8, 4, 2]
+    assert [a.size for a in loss_of.history] == [2]
+    F.mse_loss(reference(x[:2]), y[:2]).backward()
+    assert_close(grads(model), grads(reference))
