@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal, Optional, Union
 from ._checks import fraction, positive_int
 from ._decorate import name_of
 from ._units import format_bytes
-from .backends.budget import available as budget_available, device_identity, watched_devices
+from .backends.budget import budget as binding_budget, device_identity, watched_devices
 from .errors import oom_device, requested_bytes
 
 log = logging.getLogger("memguard")
@@ -357,14 +357,14 @@ class Gauge:
 
     def __init__(self, who: str) -> None:
         self.who = who
-        self.before: dict[str, Optional[int]] = {}
+        self.before: dict[str, Optional[tuple[int, int]]] = {}
         self.guess: Optional[int] = None  # the last measured size, not tried yet
         self.trying: Optional[int] = None  # the measured size the running attempt tries
 
     def start(self) -> None:
         """Before an attempt."""
         self.trying, self.guess = self.guess, None
-        self.before = {d: _safe_available(d) for d in watched_devices()}
+        self.before = {d: _safe_reading(d) for d in watched_devices()}
 
     def size_after(self, exc: BaseException, size: int) -> Optional[int]:
         """Inside ``except``: the size the failed attempt's measured memory says fits (see
@@ -383,7 +383,7 @@ class Gauge:
         if device == "cuda":
             device = next((d for d in self.before if d.startswith("cuda:")), device)
         before = self.before.get(device)
-        now = _safe_available(device)
+        now = _safe_reading(device)
         asked = requested_bytes(exc)
         missed = self.trying is not None and size <= self.trying
         self.trying = None
@@ -391,8 +391,11 @@ class Gauge:
             log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
                       "%s, asked %s); halving", self.who, device, before, asked)
             return None
-        need = max(0, before - now) + asked
-        estimate = size_after_oom(size, need, before)
+        # what the attempt took: of all there was, or of new memory alone, whichever is more
+        # (blocks it freed before the failure, inside a failed list comprehension or a
+        # framework's op, are free in the allocator again but still mapped)
+        need = max(0, before[0] - now[0], before[1] - now[1]) + asked
+        estimate = size_after_oom(size, need, before[0])
         why = ""
         if estimate is not None and estimate >= math.floor(size * AUTO_MAX):
             why = "it needed hardly more than there was, which every failure shows"
@@ -404,14 +407,18 @@ class Gauge:
         else:
             self.guess = estimate
         log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s%s", self.who,
-                  size, format_bytes(need), format_bytes(before), device, estimate,
+                  size, format_bytes(need), format_bytes(before[0]), device, estimate,
                   f" ({why}: no gentler than halving)" if why else "")
         return estimate
 
 
-def _safe_available(device: str) -> Optional[int]:
-    """What ``device`` can still give under its binding budget; ``None`` if unknown."""
+def _safe_reading(device: str) -> Optional[tuple[int, int]]:
+    """What ``device`` can still give under its binding budget, and what of it is new memory
+    (not what the allocator holds free); ``None`` if unknown."""
     try:
-        return budget_available(device)
+        found = binding_budget(device)
     except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
         return None
+    if found is None:
+        return None
+    return found.available, max(0, found.limit - found.used)

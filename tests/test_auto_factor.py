@@ -15,15 +15,14 @@ MiB = 1 << 20
 
 # Steps of a training-like loop whose sequences double at step 4: each step holds its
 # activations (pieces of 16 KiB per sample, under malloc's mmap threshold once it has risen,
-# so freed ones stay in the heap) and a 0.5 MiB-per-sample output, and keeps a small logged
-# tensor allocated above them, so the heap they were freed in stays mapped.
+# so freed ones stay in the heap) and a 0.5 MiB-per-sample output.
 GROWING = """
 import math
 import torch, memguard
 torch.set_num_threads(1)
 PIECE = 16 * 1024 // 4
 UNIT = 2**20 // 4
-kept, calls = [], []
+calls = []
 
 def train(batch_size):
     calls.append(batch_size)
@@ -31,7 +30,6 @@ def train(batch_size):
         pieces = 32 if step < 4 else 64
         activations = [torch.ones(batch_size * PIECE) for _ in range(pieces)]
         output = torch.ones(batch_size * UNIT // 2 * (pieces // 32))
-        kept.append(torch.ones(16384))
         del activations, output
     return batch_size
 
@@ -51,10 +49,8 @@ memguard.free_memory()
 @pytest.mark.slow
 def test_auto_factor_reaches_most_of_the_largest_size_when_memory_grows_mid_run(
         python_in_subprocess):
-    """The start fails in the first, short steps, the measured guess in the long ones, after
-    the short steps left their freed activations mapped in malloc's heap. Those bytes are
-    what the next attempt uses: counted as available, the third attempt is the one that
-    fits and is most of the largest size."""
+    """The start fails in the first, short steps, the measured guess in the long ones: the
+    third attempt fits and is most of the largest size."""
     out = python_in_subprocess(script(GROWING, """
         set_budget(400)
         found = memguard.oom_retry(batch_size=640, factor="auto")(train)()
