@@ -35,8 +35,8 @@ def test_to_dict_is_json_ready_and_complete():
     assert set(data) == {"time", "delta", "devices", "budgets"}
     assert set(data["devices"]["host"]) == {"device", "allocated", "reserved", "peak", "free",
                                             "total"}
-    assert set(data["budgets"]["host"]) == {"device", "kind", "limit", "used", "available",
-                                            "measure"}
+    assert set(data["budgets"]["host"]) == {"device", "kind", "limit", "used", "reusable",
+                                            "available", "measure"}
 
 
 def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used(python_in_subprocess):
