@@ -14,22 +14,35 @@ import torch, memguard
 from memguard.backends import host
 torch.set_num_threads(1)
 UNIT = 2**20 // 4              # 1 MiB per sample, allocated twice per attempt: 2 MiB
-START = 512
+PIECE = 16 * 1024 // 4         # growing: activations in pieces of 16 KiB per sample
+START = {start}
 CYCLE = {cycle}
 
 def vm_size():
     return int(open("/proc/self/statm").read().split()[0]) * 4096
 
 entries = []
+kept = []
 
-def attempt(batch_size):
-    entries.append((batch_size, host.rss()))
+def plain(batch_size):
     first = torch.ones(batch_size * UNIT)
     if CYCLE:
         holder = [first]
         holder.append(holder)
         del first
     second = torch.ones(batch_size * UNIT)
+
+def growing(batch_size):
+    for step in range(6):
+        pieces = 32 if step < 4 else 64  # sequences double at step 4: 1, then 2 MiB a sample
+        activations = [torch.ones(batch_size * PIECE) for _ in range(pieces)]
+        output = torch.ones(batch_size * UNIT // 2 * (pieces // 32))
+        kept.append(torch.ones(16384))  # a step's logged figures, above its activations
+        del activations, output
+
+def attempt(batch_size):
+    entries.append((batch_size, host.rss()))
+    {body}(batch_size)
     return batch_size
 
 def fits(size):
@@ -88,10 +101,14 @@ run = memguard.oom_retry(batch_size=START, factor="auto",
 """
 
 ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
+VARIANTS = (("plain", False, "plain", 512), ("cycle", True, "plain", 512),
+            ("growing", False, "growing", 1024))
+"""Benchmark 3's scenarios: label, the first tensor in a cycle, the attempt's body, start."""
 
 
-def _runner(runner: str, cycle: bool, sizes: str = "") -> dict:
-    return run_python(WORKLOAD.format(cycle=cycle, runner=runner),
+def _runner(runner: str, cycle: bool, sizes: str = "", body: str = "plain",
+            start: int = 512) -> dict:
+    return run_python(WORKLOAD.format(cycle=cycle, runner=runner, body=body, start=start),
                       env=dict(ENV, MEMGUARD_BENCH_SIZES=sizes))
 
 
@@ -106,8 +123,13 @@ def recovery(quick: bool) -> list[Result]:
     feasible size (bisected afterwards between the size found and the start), the most
     memory still held when a retry started, and the attempts of a second call (after a
     ``gc.collect()``, since the cycle variant's successful attempt leaves its own garbage
-    behind). Run twice: plain, and with the attempt's first tensor in a reference cycle,
-    which only a collection outside ``except`` frees in time. Last, a restarted process:
+    behind). Run three times: plain; with the attempt's first tensor in a reference cycle,
+    which only a collection outside ``except`` frees in time; and growing, memory that grows
+    in the middle of a run (six steps whose sequences double at step 4: 1, then 2 MiB a
+    sample, in activations of 16 KiB-per-sample pieces that malloc keeps in its heap, below a
+    small tensor each step keeps; start at 1024, so the start fails in a short step and the
+    measured guess in a long one, after the short steps left their freed activations mapped).
+    Last, a restarted process:
     ``factor="auto", cache=path`` run in one process, then in a second one with the same
     file, whose first call must take one attempt.
     Fair to the peer: the same process set-up and budget; each tool at its own defaults.
@@ -115,11 +137,10 @@ def recovery(quick: bool) -> list[Result]:
     have_peer = importlib.util.find_spec("accelerate") is not None
     rows = []
     mib = 2**20
-    for cycle in (False, True):
-        label = "cycle" if cycle else "plain"
-        halving = _runner(MEMGUARD.format(factor=0.5), cycle)
-        auto = _runner(MEMGUARD.format(factor="auto"), cycle)
-        peer = _runner(ACCELERATE, cycle) if have_peer else None
+    for label, cycle, body, start in VARIANTS:
+        halving = _runner(MEMGUARD.format(factor=0.5), cycle, body=body, start=start)
+        auto = _runner(MEMGUARD.format(factor="auto"), cycle, body=body, start=start)
+        peer = _runner(ACCELERATE, cycle, body=body, start=start) if have_peer else None
         runs = [("halving", halving), ("auto", auto)] + ([("accelerate x0.9", peer)]
                                                         if peer else [])
         note = "; ".join(f"{name} {r['found']}/{r['largest']} in {r['attempts']} "

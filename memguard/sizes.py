@@ -14,7 +14,7 @@ import math
 from typing import Optional
 
 from ._units import format_bytes
-from .backends.budget import available as budget_available, watched_devices
+from .backends.budget import budget as binding_budget, watched_devices
 from .errors import oom_device, requested_bytes
 
 log = logging.getLogger("memguard")
@@ -23,6 +23,9 @@ AUTO_MARGIN = 0.05
 """The share of the available memory ``factor="auto"`` and ``mode="predict"`` leave unused."""
 AUTO_MAX, AUTO_MIN = 0.9, 0.25
 """``factor="auto"`` moves to between ``size * AUTO_MIN`` and ``size * AUTO_MAX``."""
+AUTO_AFTER_MISS = 0.5
+"""``factor="auto"`` goes no higher than ``size * AUTO_AFTER_MISS`` when what it measured says
+no more than the failure itself (see :class:`Gauge`): the fixed factor's step."""
 
 
 def size_after_oom(size: int, need: Optional[int], available: Optional[int],
@@ -98,39 +101,91 @@ class MemoryFit:
 class Gauge:
     """What ``factor="auto"`` measures of one attempt: what each watched device could still
     give when it began (:meth:`start`) and, inside ``except`` while the failed attempt still
-    holds its memory, what it took and asked for (:meth:`size_after`)."""
+    holds its memory, what it took and asked for (:meth:`size_after`).
+
+    A measurement is a lower bound: the attempt needed at least what it held plus what it
+    asked for, maybe much more (the allocations it never reached). Two cases say no more
+    than the failure itself, and then the size halves as the fixed factor 0.5 would:
+
+    - the attempt measured as needing hardly more than there was (the estimate would be
+      ``size * AUTO_MAX`` or more): any failure shows that much;
+    - the attempt was the measured guess of the one before it and failed too: the guess
+      was too large, the next step is no gentler than halving.
+
+    Args:
+        who: the name the log lines give.
+
+    Example:
+        >>> gauge = Gauge("train")
+        >>> gauge.start()
+        >>> gauge.size_after(MemoryError(), 64) is None  # no size stated: the caller halves
+        True
+    """
 
     def __init__(self, who: str) -> None:
         self.who = who
-        self.before: dict[str, Optional[int]] = {}
+        self.before: dict[str, Optional[tuple[int, int]]] = {}
+        self.guess: Optional[int] = None  # the last measured size, not tried yet
+        self.trying: Optional[int] = None  # the measured size the running attempt tries
 
     def start(self) -> None:
         """Before an attempt."""
-        self.before = {d: _safe_available(d) for d in watched_devices()}
+        self.trying, self.guess = self.guess, None
+        self.before = {d: _safe_reading(d) for d in watched_devices()}
 
     def size_after(self, exc: BaseException, size: int) -> Optional[int]:
         """Inside ``except``: the size the failed attempt's measured memory says fits (see
-        :func:`~memguard.sizes.size_after_oom`), ``None`` when it cannot be measured."""
+        :func:`~memguard.sizes.size_after_oom`), no more than ``size * 0.5`` when the
+        measurement says no more than the failure does (see the class); ``None`` when it
+        cannot be measured (the caller then halves).
+
+        Args:
+            exc: the out-of-memory error of the attempt.
+            size: the size the attempt ran at.
+
+        Returns:
+            The next size, or ``None``.
+        """
         device = oom_device(exc)
         if device == "cuda":
             device = next((d for d in self.before if d.startswith("cuda:")), device)
         before = self.before.get(device)
-        now = _safe_available(device)
+        now = _safe_reading(device)
         asked = requested_bytes(exc)
+        missed = self.trying is not None and size <= self.trying
+        self.trying = None
         if before is None or now is None or asked is None:
             log.debug("%s: factor='auto' cannot measure this out-of-memory on %s (available "
                       "%s, asked %s); halving", self.who, device, before, asked)
             return None
-        need = max(0, before - now) + asked
-        estimate = size_after_oom(size, need, before)
-        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s", self.who,
-                  size, format_bytes(need), format_bytes(before), device, estimate)
+        # what the attempt took: of all there was, or of new memory alone, whichever is more
+        # (blocks it freed before the failure, inside a failed list comprehension or a
+        # framework's op, are free in the allocator again but still mapped)
+        need = max(0, before[0] - now[0], before[1] - now[1]) + asked
+        estimate = size_after_oom(size, need, before[0])
+        why = ""
+        if estimate is not None and estimate >= math.floor(size * AUTO_MAX):
+            why = "it needed hardly more than there was, which every failure shows"
+        elif missed:
+            why = "the measured guess failed"
+        if why and estimate is not None:
+            estimate = min(estimate, max(1, math.floor(size * AUTO_AFTER_MISS)))
+            self.guess = None
+        else:
+            self.guess = estimate
+        log.debug("%s: attempt at %d needed >= %s of %s available on %s; next %s%s", self.who,
+                  size, format_bytes(need), format_bytes(before[0]), device, estimate,
+                  f" ({why}: no gentler than halving)" if why else "")
         return estimate
 
 
-def _safe_available(device: str) -> Optional[int]:
-    """What ``device`` can still give under its binding budget; ``None`` if unknown."""
+def _safe_reading(device: str) -> Optional[tuple[int, int]]:
+    """What ``device`` can still give under its binding budget, and what of it is new memory
+    (not what the allocator holds free); ``None`` if unknown."""
     try:
-        return budget_available(device)
+        found = binding_budget(device)
     except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory
         return None
+    if found is None:
+        return None
+    return found.available, max(0, found.limit - found.used)

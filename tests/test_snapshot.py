@@ -35,8 +35,8 @@ def test_to_dict_is_json_ready_and_complete():
     assert set(data) == {"time", "delta", "devices", "budgets"}
     assert set(data["devices"]["host"]) == {"device", "allocated", "reserved", "peak", "free",
                                             "total"}
-    assert set(data["budgets"]["host"]) == {"device", "kind", "limit", "used", "available",
-                                            "measure"}
+    assert set(data["budgets"]["host"]) == {"device", "kind", "limit", "used", "reusable",
+                                            "available", "measure"}
 
 
 def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used(python_in_subprocess):
@@ -58,7 +58,7 @@ def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used(python_in_sub
         print(json.dumps({
             "outside": outside, "kind": limit.kind, "limit": limit.limit,
             "measure": limit.measure, "grew": limit.used - before.budgets["host"].used,
-            "available": limit.available, "used": limit.used,
+            "available": limit.available, "used": limit.used, "reusable": limit.reusable,
             "line": "budget host: memory_limit 60.0 MiB (address space)" in str(after),
             "after_block": memguard.snapshot().budgets["host"].kind,
             "delta": dict((after - before).budgets), "total": free.total}))
@@ -68,7 +68,9 @@ def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used(python_in_sub
     assert out["kind"] == "memory_limit" and out["limit"] == 60 * MiB
     assert out["measure"] == "address space"
     assert 18 * MiB < out["grew"] < 32 * MiB, out  # the block, plus first-use mappings
-    assert out["available"] == out["limit"] - out["used"] < 42 * MiB
+    # what is left of the limit, and what malloc holds free in what is used
+    assert out["available"] == out["limit"] - out["used"] + out["reusable"]
+    assert out["limit"] - out["used"] < 42 * MiB
     assert out["line"] and out["after_block"] != "memory_limit"  # gone after the block
     assert out["delta"] == {} and out["total"] > 60 * MiB
 

@@ -1,7 +1,8 @@
 """Memory budgets: how much each device can still give this process, and which limit says so.
 
 The host's budgets are, in turn: a soft ``RLIMIT_AS`` (set by :func:`memguard.memory_limit`,
-``ulimit -v`` or a launcher; counts address space), a cgroup v2 ``memory.max`` (containers;
+``ulimit -v`` or a launcher; counts address space, of which what malloc holds free is
+available too), a cgroup v2 ``memory.max`` (containers;
 counts the cgroup's memory) and the machine's physical memory (psutil's ``available``). A CUDA
 device's budget is the driver's free memory plus the caching allocator's reserved-but-unused
 bytes, capped by a per-process memory fraction. The one that binds is the one with the least
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 from .._units import format_bytes
 from . import torch as torch_backend
-from .host import address_space_budget, cgroup_memory_budget
+from .host import address_space_budget, cgroup_memory_budget, malloc_free
 
 # What each kind of budget counts, for messages.
 MEASURES = {"memory_limit": "address space", "RLIMIT_AS": "address space",
@@ -30,8 +31,10 @@ WHOLE = ("physical memory", "CUDA device")
 class Budget:
     """One limit on a device's memory: ``kind`` (``"memory_limit"``, ``"RLIMIT_AS"``,
     ``"cgroup memory.max"``, ``"physical memory"``, ``"CUDA memory fraction"``,
-    ``"CUDA device"``), its ``limit`` and what of it is ``used``, in bytes; ``available`` is
-    what is left.
+    ``"CUDA device"``), its ``limit`` and what of it is ``used``, in bytes, and
+    ``reusable``: the part of ``used`` the allocator holds free for the next allocations
+    (under an address-space limit, what glibc's malloc keeps mapped after a ``free``);
+    ``available`` is what is left for new allocations.
 
     Each kind reads once in messages: what it counts is added where its name does not say
     it already.
@@ -40,17 +43,24 @@ class Budget:
     'host: memory_limit 60.0 MiB (address space), 42.0 MiB used, 18.0 MiB available'
     >>> str(Budget("host", "physical memory", 8 * 2**30, 2**30))
     'host: physical memory 8.0 GiB, 1.0 GiB used, 7.0 GiB available'
+    >>> Budget("host", "memory_limit", 60 * 2**20, 42 * 2**20, reusable=30 * 2**20).short()
+    '42.0 MiB of the 60.0 MiB memory_limit (address space; 30.0 MiB of it free in the allocator)'
+    >>> Budget("host", "memory_limit", 60 * 2**20, 42 * 2**20, reusable=30 * 2**20).available
+    50331648
     """
 
     device: str
     kind: str
     limit: int
     used: int
+    reusable: int = 0
 
     @property
     def available(self) -> int:
-        """``limit - used``, never below 0."""
-        return max(0, self.limit - self.used)
+        """``limit - used + reusable``, never below 0: new address space and what the
+        allocator holds free (which can exceed ``limit`` when it held free memory mapped
+        before the limit was set)."""
+        return max(0, self.limit - self.used + self.reusable)
 
     @property
     def measure(self) -> str:
@@ -63,9 +73,13 @@ class Budget:
 
     def _counts(self) -> str:
         """`` (address space)``: what the limit counts, where the kind's name does not say
-        it (``""`` for ``physical memory``, ``cgroup memory.max`` and unknown kinds)."""
+        it (``""`` for ``physical memory``, ``cgroup memory.max`` and unknown kinds), and what
+        of it the allocator holds free, when it holds some."""
         known = self.kind in MEASURES and self.measure not in self.kind
-        return f" ({self.measure})" if known else ""
+        parts = [self.measure] if known else []
+        if self.reusable:
+            parts.append(f"{format_bytes(self.reusable)} of it free in the allocator")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def short(self) -> str:
         """What of the budget is used, for a message: ``"42.0 MiB of the 60.0 MiB
@@ -99,8 +113,8 @@ def budgets(device: str = "host") -> list[Budget]:
     found: list[Budget] = []
     if device == "host":
         space = address_space_budget()
-        if space is not None:
-            found.append(Budget(device, space[0], space[1], space[2]))
+        if space is not None:  # blocks malloc freed are mapped, yet the next ones use them
+            found.append(Budget(device, space[0], space[1], space[2], malloc_free() or 0))
         group = cgroup_memory_budget()
         if group is not None:
             found.append(Budget(device, "cgroup memory.max", group[0], group[1]))

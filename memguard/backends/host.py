@@ -254,13 +254,31 @@ _TOKENS = itertools.count(1)
 _LIMITS_LOCK = ForkSafeLock()
 
 
+def malloc_free() -> Optional[int]:
+    """Bytes glibc's malloc holds free inside memory it has already mapped (``mallinfo2``'s
+    ``fordblks``, every arena): freed blocks, kept for the next ``malloc``. ``None`` without
+    glibc.
+
+    They still count as address space, trimmed or not (``malloc_trim`` gives the pages back,
+    not the mapping), yet the next allocations that fit in them take no new address space:
+    after a failed attempt has been freed they are most of what the next one can use.
+
+    >>> malloc_free() is None or malloc_free() >= 0
+    True
+    """
+    mallinfo2 = _libc().get("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    return int(mallinfo2().fordblks)
+
+
 def address_space_budget() -> Optional[tuple[str, int, int]]:
     """The soft ``RLIMIT_AS`` in force as ``(kind, limit, used)`` in bytes of address space,
     or ``None`` when there is none (or off Linux). ``kind`` is ``"memory_limit"`` when
     :func:`memguard.memory_limit` set it (``limit`` is then the size it was given and
     ``used`` the address space mapped since), else ``"RLIMIT_AS"`` (``limit`` the soft limit,
     ``used`` the whole virtual size). Under such a limit the virtual size, not the resident
-    set, is what runs out.
+    set, is what runs out; what of it malloc holds free is :func:`malloc_free`.
 
     >>> address_space_budget() is None or address_space_budget()[1] > 0
     True
