@@ -59,7 +59,7 @@ def test_snapshot_names_the_budget_in_force_and_what_of_it_is_used(python_in_sub
             "outside": outside, "kind": limit.kind, "limit": limit.limit,
             "measure": limit.measure, "grew": limit.used - before.budgets["host"].used,
             "available": limit.available, "used": limit.used, "reusable": limit.reusable,
-            "line": "budget host: memory_limit 60.0 MiB (address space)" in str(after),
+            "line": "budget host: memory_limit 60.0 MiB (address space" in str(after),
             "after_block": memguard.snapshot().budgets["host"].kind,
             "delta": dict((after - before).budgets), "total": free.total}))
     """)
