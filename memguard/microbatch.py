@@ -72,7 +72,8 @@ class MicrobatchedFunction(Protocol[P, R_co]):
 
 class _Config:
     def __init__(self, func: Callable[..., Any], model: Any, policy: Policy, reduction: str,
-                 grow_every: Optional[int], scaler: Any, sharded: bool) -> None:
+                 grow_every: Optional[int], scaler: Any, sharded: bool,
+                 weight: Optional[Callable[[Any], Any]] = None) -> None:
         self.name = name_of(func)
         target = getattr(func, "__func__", func)
         self.names = list(inspect.signature(target).parameters)
@@ -82,6 +83,7 @@ class _Config:
         self.model = model
         self.policy = policy
         self.reduction = reduction
+        self.weight = weight
         self.grow_every = grow_every
         self.scaler = scaler
         # FSDP's forward gathers parameters into tensors of its own: they are the graph's
@@ -212,13 +214,37 @@ class _Step(Loop):
             return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None,
                                   True)
         total = None
+        whole = self._weight_of(self.batch) if cfg.weight is not None else None
         for start in range(0, n, size):
             stop = min(n, start + size)
-            weight = 1.0 if cfg.reduction == "sum" else (stop - start) / n
             piece = self.plan.cut(self.batch, start, stop)
+            if cfg.reduction == "sum":
+                weight = 1.0
+            elif whole is not None:
+                weight = self._weight_of(piece) / whole
+            else:
+                weight = (stop - start) / n
             total = self._backward(self._call(wrapped, piece, args, kwargs), weight, total,
                                    stop == n)
         return total
+
+    def _weight_of(self, part: Any) -> float:
+        """What ``weight`` says the loss of ``part`` averages over, as a float."""
+        assert self.cfg.weight is not None
+        value = self.cfg.weight(part)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"auto_microbatch: weight({self.cfg.name}'s batch) must return a "
+                            f"number (the count the loss averages over), got "
+                            f"{type(value).__name__}") from None
+        if not number >= 0 or number == float("inf"):
+            raise ValueError(f"auto_microbatch: weight returned {number!r}; it must be a "
+                             f"finite count >= 0")
+        if part is self.batch and number == 0:
+            raise ValueError(f"auto_microbatch: weight of the whole batch is 0: the loss "
+                             f"averages over nothing ({self.cfg.name})")
+        return number
 
     def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
         """The step function on one slice, its optimizers' steps on our parameters refused."""
@@ -326,8 +352,9 @@ class _Step(Loop):
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
                     on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
-                    reduction: Reduction = "mean", grow_every: Optional[int] = None,
-                    scaler: Any = None
+                    reduction: Reduction = "mean",
+                    weight: Optional[Callable[[Any], Any]] = None,
+                    grow_every: Optional[int] = None, scaler: Any = None
                     ) -> Callable[[Callable[P, R_co]], MicrobatchedFunction[P, R_co]]:
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
@@ -376,6 +403,12 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             batch is redone.
         sync: agree with the other ranks of a distributed job after each pass.
         reduction: ``"mean"`` or ``"sum"``, what the step's loss is over its samples.
+        weight: for a loss that is a mean over something other than samples (tokens): a
+            callable taking a slice (the batch's structure) and returning the number of
+            elements its loss averages over; each slice's loss is then weighted by
+            ``weight(slice) / weight(batch)``, and a split step has the whole batch's
+            gradients to float rounding. For a causal LM with labels ``-100`` on padding:
+            ``weight=lambda b: (b["labels"][..., 1:] != -100).sum()``. ``None``: samples.
         grow_every: after this many steps without an out-of-memory, try the next larger
             slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
             most the batch), stepping back at once if it fails; ``None``: never.
@@ -406,6 +439,9 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                         f"@auto_microbatch(model), not @auto_microbatch (got {model!r:.80})")
     policy = Policy.checked("auto_microbatch", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
+    if weight is not None and not callable(weight):
+        raise TypeError(f"auto_microbatch: weight must be a callable slice -> count, got "
+                        f"{weight!r}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
                          f"{reduction!r}")
@@ -426,7 +462,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         if kind != "sync":
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
-        cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded)
+        cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight)
         state = _State()
         lock = _model_lock(model)
 

@@ -493,3 +493,56 @@ def test_a_tiny_gpt2_on_a_batch_encoding_splits_with_the_whole_batch_gradients()
     worst = max((p.grad - q.grad).abs().max().item()
                 for p, q in zip(model.parameters(), reference.parameters(), strict=True))
     assert worst < 1e-5
+
+
+def _token_lm() -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50))
+    ids = torch.randint(0, 50, (8, 12))
+    labels = ids.clone()
+    for row, length in enumerate([12, 3, 9, 1, 12, 5, 2, 7]):  # padded sequences
+        labels[row, length:] = -100
+    return model, {"input_ids": ids, "labels": labels}
+
+
+def _token_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    if len(batch["input_ids"]) > 4:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.reshape(-1, 50), batch["labels"].reshape(-1),
+                           ignore_index=-100)  # a mean over the tokens that count
+
+
+def test_a_token_mean_loss_split_with_weight_has_the_whole_batchs_gradients():
+    model, batch = _token_lm()
+    logits = model(batch["input_ids"])
+    F.cross_entropy(logits.reshape(-1, 50), batch["labels"].reshape(-1),
+                    ignore_index=-100).backward()
+    whole = [p.grad.clone() for p in model.parameters()]
+    largest = max(float(g.abs().max()) for g in whole)
+
+    def gradients(**options: object) -> list[torch.Tensor]:
+        model.zero_grad()
+        step = memguard.auto_microbatch(model, **options)(lambda b: _token_loss(model, b))
+        step(batch)
+        assert step.microbatch_size == 4  # split in two
+        return [p.grad.clone() for p in model.parameters()]
+
+    by_tokens = gradients(weight=lambda b: (b["labels"] != -100).sum())
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(by_tokens, whole, strict=True))
+    by_samples = gradients()  # the default weighs slices by samples: not the token mean
+    assert max(float((a - b).abs().max()) for a, b in zip(by_samples, whole, strict=True)) \
+        > 1e-3 * largest
+
+
+def test_weight_is_checked():
+    model, batch = _token_lm()
+    with pytest.raises(TypeError, match="weight must be a callable"):
+        memguard.auto_microbatch(model, weight=3)
+    step = memguard.auto_microbatch(model, weight=lambda b: "many")(
+        lambda b: _token_loss(model, b))
+    with pytest.raises(TypeError, match="must return a number"):
+        step(batch)
+    step = memguard.auto_microbatch(model, weight=lambda b: 0)(lambda b: _token_loss(model, b))
+    with pytest.raises(ValueError, match="weight of the whole batch is 0"):
+        step(batch)
