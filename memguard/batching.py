@@ -147,6 +147,7 @@ class _Binsearch(_Search):
 _SIGNIFICANT = 0.1  # a fit rests on measured memory of at least this share of the budget
 _GROWTH = 16  # the most a size grows in one trial while no fit is reliable
 _GAIN = 0.03  # a predicted size this little above the last one that fitted is not tried
+_BACKOFF = 0.05  # after each size that failed, the next is this much further below it
 
 
 class _Predict(_Search):
@@ -157,16 +158,28 @@ class _Predict(_Search):
         super().__init__(*args)
         self.probe = _Probe()
         self.fits: dict[str, MemoryFit] = {}
+        self.room: dict[str, int] = {}
 
     def trial(self) -> None:
         free_memory()  # every measured trial starts from the same, trimmed, state
+        for device, value in self.probe.available().items():
+            self.room[device] = max(value, self.room.get(device, 0))
         for device, used in self.probe.run(super().trial).items():
             self.fits.setdefault(device, MemoryFit()).add(self.size, used)
+            log.debug("find_batch_size: size %d took %d bytes on %s (%s could be given "
+                      "when the search began)", self.size, used, device, self.room.get(device))
 
     def grown(self) -> Optional[int]:
         assert self.good is not None
         failures = sum(1 for a in self.attempts if not a.ok) // 2
-        return _predicted(self.fits, self.probe.available(), self.good, self.bad, failures)
+        # What a trial's allocator keeps after it (heap and arenas still mapped, a cache
+        # still reserved) is counted as used by the budget, yet the next trial reuses it:
+        # the room is what the device could give before the first trial (or more, if
+        # memory was freed since). A size predicted too big is caught by its trial.
+        room = dict(self.room)
+        for device, value in self.probe.available().items():
+            room[device] = max(value, room.get(device, 0))
+        return _predicted(self.fits, room, self.good, self.bad, failures)
 
     def shrunk(self) -> Optional[int]:
         return self.grown()
@@ -334,10 +347,21 @@ class _Probe:
 
 def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
                bad: Optional[int], failures: int) -> int:
-    """The next size ``mode="predict"`` tries (``<= good`` to stop)."""
-    if bad is not None and failures >= 2:
-        return (good + bad) // 2 if bad - good > 1 else good
-    predictions, bounds = [], []
+    """The next size ``mode="predict"`` tries (``<= good`` to stop).
+
+    The fit's prediction (less :data:`AUTO_MARGIN`) while it gains; once it gains under
+    ``_GAIN``, the fit's own edge (no margin) if no size has failed yet, so that the answer
+    rests on a trial near the boundary rather than on the fit alone. After a size failed,
+    95% of it; after more, a step further down each time (or the midpoint, if larger); the
+    search stops when the gap between the largest size that fitted and the smallest that
+    failed is under ``_GAIN`` of the former.
+    """
+    if bad is not None:
+        if bad - good <= max(1, math.floor(good * _GAIN)):
+            return good
+        if failures >= 2:
+            return max((good + bad) // 2, math.floor(bad * (1 - _BACKOFF * failures)))
+    predictions, edges, bounds = [], [], []
     for device, fit in fits.items():
         room = available.get(device)
         if room is None or not fit.points:
@@ -345,20 +369,25 @@ def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
         largest = fit.largest(room) if fit.spread() >= _SIGNIFICANT * room else None
         if largest is not None:
             predictions.append(largest)
+            edges.append(fit.largest(room, margin=0.0) or 0)
         else:  # all of the memory measured at ``good`` taken as per sample: a safe jump
             measured = max(m for s, m in fit.points if s == max(p[0] for p in fit.points))
             bounds.append(math.floor(good * 0.25 * room / max(measured, 1 << 20)))
     if predictions:
         size = min(predictions + bounds)
         if size <= good * (1 + _GAIN):
-            return good
+            if bad is not None:
+                return (good + bad) // 2  # the fit sees no room, the trials left a gap
+            size = min(edges + bounds)
+            if size <= good * (1 + _GAIN):
+                return good
     else:
         size = min(bounds + [good * _GROWTH]) if bounds else good * 2
         size = max(size, good + 1)
     if bad is not None:
-        size = min(size, math.floor(bad * 0.95))
+        size = min(size, math.floor(bad * (1 - _BACKOFF)))
         if size <= good:
-            return (good + bad) // 2 if bad - good > 1 else good
+            return (good + bad) // 2
     return size
 
 
