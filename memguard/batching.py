@@ -209,9 +209,14 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
       mark), fitted as memory = fixed + per-sample x size; while the measured memory is under
       a tenth of what the budget that binds can give, the size grows (at most 16-fold); then
       it jumps to the largest size the fit says the budget holds, less 5%, verifies it with a
-      trial, refits and stops once the next prediction gains under 3%. After an
-      out-of-memory it tries 95% of the size that failed, then bisects. Typically 4 to 6
-      trials from ``start=1`` where bisection takes about 18.
+      trial and refits. The budget it plans against is what the device could give before the
+      first trial: what a trial's allocator keeps after it (heap still mapped, a cache still
+      reserved) is counted as used, yet the next trial reuses it. Once the next prediction
+      gains under 3%, it tries the fit's own edge (no margin) before it answers. After an
+      out-of-memory it tries 95% of the size that failed, 90% of the next that fails and so
+      on (or the midpoint, if higher), and stops when the gap between the largest size that
+      fitted and the smallest that failed is under 3%. Typically 4 to 8 trials from
+      ``start=1`` where bisection takes about 20.
 
     A size that runs out of memory is tried once more before it counts as too big (an
     allocator that fails now and then, another process's spike). Memory is freed between
