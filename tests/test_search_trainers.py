@@ -34,7 +34,15 @@ def step(batch_size):
 step(2)  # the allocator and the one-time state warmed, as a trainer's first steps do
 memguard.free_memory()
 with memguard.memory_limit("{budget}"):
-    found = memguard.find_batch_size(step, mode="{mode}", margin=0.0, restore=model)
+    if "{mode}" == "fresh":  # a new run at a size found before
+        try:
+            step({size})
+            print(json.dumps({{"holds": True}}))
+        except RuntimeError as exc:
+            assert memguard.is_oom_error(exc), exc
+            print(json.dumps({{"holds": False}}))
+        sys.exit()
+    found = memguard.find_batch_size(step, mode="{mode}", restore=model, **{options})
 print(json.dumps({{"found": int(found), "trials": [a.size for a in found.history]}}))
 """
 
@@ -44,10 +52,21 @@ def test_predict_finds_nine_tenths_of_binsearch_on_a_gpt2_training_step(python_i
     # Each trial leaves heap and arenas mapped that the next one reuses; a budget on address
     # space counts them as used, so a search that planned against what was left after each
     # trial stopped at 0.82-0.88 of binsearch here.
-    found = {mode: python_in_subprocess(TRAINER.format(budget="512MiB", mode=mode),
-                                        timeout=300)
+    found = {mode: python_in_subprocess(TRAINER.format(budget="512MiB", mode=mode, size=0,
+                                                       options={"margin": 0.0}), timeout=300)
              for mode in ("binsearch", "predict")}
     binsearch, predict = found["binsearch"], found["predict"]
     assert len(binsearch["trials"]) >= 15, binsearch  # the budget binds: a real search
     assert predict["found"] >= 0.9 * binsearch["found"], found
     assert len(predict["trials"]) <= 10, predict
+
+
+@pytest.mark.slow
+def test_the_size_predict_returns_with_the_default_margin_holds_in_fresh_runs(
+        python_in_subprocess):
+    found = python_in_subprocess(TRAINER.format(budget="512MiB", mode="predict", size=0,
+                                                options={}), timeout=300)
+    fresh = [python_in_subprocess(TRAINER.format(budget="512MiB", mode="fresh",
+                                                 size=found["found"], options={}))["holds"]
+             for _ in range(2)]
+    assert fresh == [True, True], (found, fresh)
