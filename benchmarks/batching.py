@@ -128,4 +128,98 @@ def mapping(quick: bool) -> list[Result]:
                    f"{out['items']} items; the rerun loop tried sizes {out['rerun_sizes']}")]
 
 
-BENCHMARKS = [search, mapping]
+LIGHTNING = """
+import json, logging, sys, time, warnings
+warnings.filterwarnings("ignore")
+import torch, memguard
+torch.set_num_threads(1)
+import transformers
+transformers.logging.set_verbosity_error()
+import lightning.pytorch as pl
+from transformers import GPT2Config, GPT2LMHeadModel
+for name in ("lightning", "lightning.pytorch"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+
+torch.manual_seed(0)
+SEQ = {seq}
+config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=SEQ)
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = GPT2LMHeadModel(config)
+
+    def training_step(self, batch, index):
+        return self.net(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+model = Model()
+tokens = torch.randint(0, 1000, (4096, SEQ))
+
+def fit(batch_size, steps={steps}):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(tokens[:batch_size * steps], batch_size=batch_size)
+    trainer.fit(model, loader)
+
+fit(2, steps=1)  # one-time work (imports, first calls) done before the budget
+memguard.free_memory()
+with memguard.memory_limit("{budget}"):
+    started = time.perf_counter()
+    if "{mode}" == "fresh":
+        try:
+            fit({size})
+            result = {{"holds": True}}
+        except RuntimeError as exc:
+            if not memguard.is_oom_error(exc):
+                raise
+            result = {{"holds": False}}
+    else:
+        found = memguard.find_batch_size(fit, mode="{mode}", restore=model)
+        result = {{"found": int(found), "trials": len(found.history),
+                  "sizes": [a.size for a in found.history]}}
+    result["seconds"] = time.perf_counter() - started
+print(json.dumps(result))
+"""
+
+
+def lightning_search(quick: bool) -> list[Result]:
+    """Benchmark 4, on a real trainer: ``find_batch_size`` with each trial a Lightning fit
+    (two steps: the second has the optimizer's state) of a tiny GPT-2 (2 layers, 64 wide,
+    1000 tokens, sequences of 128 under 1 GiB; 64 under 512 MiB with ``--quick``) under a
+    host budget (``memory_limit``, address space), each search in
+    a fresh process, with the default margin. Reported: the sizes binsearch and predict
+    return, their trials, the ratio predict/binsearch, and whether each returned size holds
+    in a fresh run (a new process, the same budget, the same fit at that size), twice.
+    Targets: predict >= 0.9 of binsearch; both sizes hold in 2 of 2 fresh runs.
+    """
+    seq, budget = (64, "512MiB") if quick else (128, "1GiB")
+    found, holds = {}, {}
+    for mode in ("binsearch", "predict"):
+        found[mode] = run_python(LIGHTNING.format(seq=seq, budget=budget, steps=2, mode=mode,
+                                                  size=0))
+        holds[mode] = sum(run_python(LIGHTNING.format(seq=seq, budget=budget, steps=2,
+                                                      mode="fresh", size=found[mode]["found"])
+                                     )["holds"] for _ in range(2))
+    binsearch, predict = found["binsearch"], found["predict"]
+    rows = []
+    for mode in ("binsearch", "predict"):
+        r = found[mode]
+        notes = (f"{r['found']} in {r['trials']} trials, {r['seconds']:.1f} s; sizes "
+                 f"{r['sizes']}; holds in {holds[mode]} of 2 fresh runs")
+        if mode == "predict":
+            met = predict["found"] >= 0.9 * binsearch["found"] and holds[mode] == 2
+            rows.append(Result("4 Lightning GPT-2 find size: predict", predict["found"],
+                               binsearch["found"], "samples", "binsearch",
+                               ">= 0.9 of binsearch, holds in 2 of 2", met, notes))
+        else:
+            rows.append(Result("4 Lightning GPT-2 find size: binsearch", binsearch["found"],
+                               None, "samples", "-", "holds in 2 of 2 fresh runs",
+                               holds[mode] == 2, notes))
+    return rows
+
+
+BENCHMARKS = [search, mapping, lightning_search]
