@@ -364,6 +364,7 @@ class Loop:
         self.waiting = False  # this rank is done, a peer is not ("wait" peers)
         self.redoing = False  # a peer's attempt failed: recover before the next
         self.unused: Optional[AttemptBlock] = None  # the last block, until its with-block ends
+        self.tries = 0  # attempts since the last success (what max_attempts counts)
         self.done = False
 
     # -- the driver's hooks ----------------------------------------------------------------
@@ -401,7 +402,7 @@ class Loop:
         policy = self.policy
         if self.final or self.size <= policy.min_batch_size:
             return None
-        if policy.max_attempts is not None and len(self.attempts) >= policy.max_attempts:
+        if policy.max_attempts is not None and self.tries >= policy.max_attempts:
             return None
         return policy.next_size(self.size, estimate, self.who)
 
@@ -452,6 +453,7 @@ class Loop:
         suppresses an out-of-memory that the next step of the loop deals with."""
         seconds = time.perf_counter() - self.started
         self.unused = None
+        self.tries += 1
         if exc is None:
             self.status, self.proposal = OK, NO_OPINION
             worst, agreed = self._agree(OK, NO_OPINION)
@@ -503,6 +505,7 @@ class Loop:
             raise exhausted(self.who, self.attempts,
                             " (another rank ran out of memory at its smallest size)")
         if worst == OK:
+            self.tries = 0
             self.record_success(seconds or 0.0)
             upcoming = self.after_ok()
             if upcoming is None:

@@ -202,3 +202,18 @@ def test_a_generator_of_batches_gives_one_result_per_input_batch_even_when_split
     assert len(out) == 4  # not one per slice
     assert torch.equal(torch.cat(out), torch.arange(32, dtype=torch.float32) * 2)
     assert [a.size for a in out.history if not a.ok] == [8, 4]  # the size stays shrunk
+
+
+def test_max_attempts_counts_the_attempts_at_one_batch():
+    sizes = []
+
+    def fn(batch):
+        sizes.append(len(batch))
+        oom_above(4 if batch[0] < 8 else 2, len(batch))  # later items need smaller batches
+        return len(batch)
+
+    # two attempts at each of two batches: 8 fails, 4 fits; later 4 fails, 2 fits
+    out = memguard.map_batches(fn, list(range(16)), batch_size=8, max_attempts=2)
+    assert sum(out) == 16 and sizes[:4] == [8, 4, 4, 4] and sizes[4:6] == [2, 2]
+    with pytest.raises(memguard.OutOfMemoryError):
+        memguard.map_batches(fn, list(range(16)), batch_size=8, max_attempts=1)
