@@ -12,6 +12,7 @@ import collections
 import gc
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -602,6 +603,7 @@ class _Walk:
         return pairs
 
 
+SURE_LEVELS = 3  # levels of a holder walk that complete whatever its deadline
 REFERRER_PASS = 256  # objects per gc.get_referrers pass; beyond, one pass over every object
 
 
@@ -622,7 +624,9 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
         target: the object (a tensor, usually) whose holders to find.
         max_depth: the most steps from a root to ``target``.
         max_paths: the most paths returned, shortest first.
-        seconds: the time the walk may take.
+        seconds: the time the walk may take beyond its first three levels, which always
+            complete (a module global, an instance's attribute or a list in either is
+            found however large the heap).
 
     Returns:
         The paths, shortest first; empty when none was found.
@@ -678,11 +682,14 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
         if path and path not in paths[index]:
             paths[index].append(path)
 
-    for _ in range(max_depth):
+    for level in range(max_depth):
         frontier = [entry for entry in frontier if len(paths[entry[0]]) < max_paths]
         if not frontier:
             break
-        if time.perf_counter() > deadline:
+        # the first levels always complete: a pass over a large heap under load can take
+        # longer than the whole budget, and the nearest holders are the ones that matter
+        sure = level < SURE_LEVELS
+        if not sure and time.perf_counter() > deadline:
             in_time = False
             break
         by_id: dict[int, list[tuple[int, Any, str, Optional[str]]]] = {}
@@ -698,10 +705,10 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
         # roots made 847 of them at the fourth level, and a 1.3 s pass of the collector)
         walk.own.update((id(upcoming), id(by_id), id(wanted), id(frontier)))
         walk.own.update(id(entry) for entry in frontier)
-        pairs = walk.referrers(wanted, deadline)
+        pairs = walk.referrers(wanted, math.inf if sure else deadline)
         wanted.clear()
         for ref, child in pairs:
-            if time.perf_counter() > deadline:
+            if not sure and time.perf_counter() > deadline:
                 in_time = False
                 break
             for index, obj, suffix, as_attribute in by_id[id(child)]:

@@ -6,6 +6,7 @@ import gc
 import logging
 import threading
 
+import psutil
 import pytest
 import torch
 
@@ -74,11 +75,17 @@ def test_without_cleanup_the_cycle_stays():
 
 
 def test_glibc_cache_left_by_small_tensors_is_trimmed():
+    process = psutil.Process()
     with memguard.memory_scope() as scope:
+        start = process.memory_info().rss
         tensors = [torch.ones(25_000) for _ in range(4000)]  # 400 MB in 100 KB blocks
         del tensors
+        untrimmed = process.memory_info().rss - start  # what glibc keeps after the del
+    # the heap may already hold free blocks from earlier work, which the tensors reuse: what
+    # is checked is that the exit cleanup gives back what the del left resident
+    assert untrimmed > 100 * MiB, "precondition: glibc kept the freed tensors resident"
     assert scope.retained["host"] < 40 * MiB
-    assert scope.freed > 300 * MiB
+    assert scope.freed > 0.8 * untrimmed
 
 
 def test_auto_policy_does_not_collect_when_nothing_is_held():

@@ -294,7 +294,7 @@ def address_space_budget() -> Optional[tuple[str, int, int]]:
         return None
     base = next((base for limit, base in list(_OPEN_LIMITS.values()) if limit == soft), None)
     if base is not None:
-        return "memory_limit", soft - base, vm - base
+        return "memory_limit", soft - base, max(0, vm - base)  # unmapped since: none used
     return "RLIMIT_AS", soft, vm
 
 
