@@ -142,3 +142,24 @@ def test_tensorflow_only_program_inference_mode_cleans(python_in_subprocess):
                           "left_mib": (host.rss() - start) / 2**20}))
     """, env=RELEASE_TO_SYSTEM)
     assert out["torch"] is False and out["left_mib"] < 40
+
+
+def test_tensorflows_cpu_pool_counts_as_reusable_under_an_address_space_budget(
+        python_in_subprocess):
+    # TensorFlow's CPU allocator keeps freed tensors' memory mapped in its pool: address
+    # space used, yet free for its next tensors, which the next attempt's size must count
+    out = python_in_subprocess("""
+        import json
+        import tensorflow as tf
+        import memguard
+        from memguard.backends.budget import budgets
+        with memguard.memory_limit("2GiB", device="host"):
+            x = tf.random.normal((64, 2**20))  # 256 MiB
+            float(tf.reduce_sum(x))
+            del x
+            budget = budgets("host")[0]
+        print(json.dumps({"kind": budget.kind, "reusable": budget.reusable,
+                          "used": budget.used}))
+    """)
+    assert out["kind"] == "memory_limit"
+    assert out["reusable"] >= 250 * 2**20, out  # the freed 256 MiB, still mapped

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, Optional
 
 from .._units import format_bytes
-from . import torch as torch_backend
+from . import tensorflow as tensorflow_backend, torch as torch_backend
 from .host import address_space_budget, cgroup_memory_budget, malloc_free
 
 # What each kind of budget counts, for messages.
@@ -114,7 +114,9 @@ def budgets(device: str = "host") -> list[Budget]:
     if device == "host":
         space = address_space_budget()
         if space is not None:  # blocks malloc freed are mapped, yet the next ones use them
-            found.append(Budget(device, space[0], space[1], space[2], malloc_free() or 0))
+            # what malloc and TensorFlow's CPU pool hold free: mapped, yet reused next
+            free = (malloc_free() or 0) + tensorflow_backend.cpu_pool_free()
+            found.append(Budget(device, space[0], space[1], space[2], free))
         group = cgroup_memory_budget()
         if group is not None:
             found.append(Budget(device, "cgroup memory.max", group[0], group[1]))

@@ -87,6 +87,28 @@ class TensorFlowBackend(Backend):
             log.debug("free_memory: %s", NO_RELEASE)
 
 
+def cpu_pool_free() -> int:
+    """Bytes TensorFlow's CPU allocator holds free in its pool: its high-water mark less what
+    is in use (``get_memory_info("CPU:0")``), 0 before TensorFlow's runtime started or where
+    it cannot say. The pool keeps what it once held mapped, so under an address-space budget
+    these bytes are taken yet free for TensorFlow's next tensors; a high-water mark reset by
+    ``reset_memory_stats("CPU:0")`` makes this an underestimate, never an overestimate.
+
+    Returns:
+        The free bytes of the pool, or 0.
+
+    >>> cpu_pool_free() >= 0
+    True
+    """
+    if not _runtime_started():
+        return 0
+    try:
+        info = _tf().config.experimental.get_memory_info("CPU:0")
+        return max(0, int(info["peak"]) - int(info["current"]))
+    except (ValueError, RuntimeError, KeyError, TypeError):
+        return 0
+
+
 def clear_keras_session() -> bool:
     """``keras.backend.clear_session()`` for whichever Keras is imported; False if none."""
     keras = sys.modules.get("keras")
