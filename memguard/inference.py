@@ -14,7 +14,7 @@ from .cleanup import Cleanup, Pairs, Settler, cleanup_mode, empty_caches
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
-InUse = list[Optional[int]]
+InUse = list[tuple[str, Optional[int]]]
 
 
 _DEVICES: tuple[float, Pairs] = (-1.0, [])
@@ -37,14 +37,15 @@ def _devices() -> Pairs:
 
 
 def _in_use(pairs: Pairs) -> InUse:
-    """The bytes each device's allocator has handed out (``None`` where unknown)."""
+    """Each device's quick reading, ``(kind, bytes)``: what its allocator has handed out, or
+    on a slow host heap the resident set (bytes ``None`` where unknown)."""
     out: InUse = []
     for backend, device in pairs:
         try:
-            out.append(backend.read_in_use(device))
+            out.append(backend.read_quick(device))
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
             log.warning("cannot read %s: %s", device, exc)
-            out.append(None)
+            out.append(("", None))
     return out
 
 
@@ -52,8 +53,8 @@ def _held(pairs: Pairs, entry: InUse, now: InUse) -> Pairs:
     """The devices whose allocator hands out more than its tolerance above ``entry``."""
     return [(backend, device) for (backend, device), before, after in zip(pairs, entry, now,
                                                                           strict=True)
-            if before is not None and after is not None
-            and after - before > backend.hold_tolerance]
+            if before[1] is not None and after[1] is not None and before[0] == after[0]
+            and after[1] - before[1] > backend.hold_tolerance]
 
 
 def _settle_kept(pairs: Pairs, entry: InUse) -> None:
@@ -139,8 +140,10 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
     device's tolerance in use (a reference cycle holding outputs, say) collects garbage and
     empties that device's cache; a cache that merely grew (activations freed into it) is left
     to the next forward, which reuses it (the devices watched are listed again at most once
-    a second, :data:`DEVICES_TTL`). ``"always"`` collects in full and empties every cache;
-    ``"never"`` does neither.
+    a second, :data:`DEVICES_TTL`). On the host that reading is glibc's ``mallinfo2``, which
+    walks every free block of the heap: where it takes more than 0.1 ms (a fragmented heap
+    of a long-running server), the resident set stands in for the next 10 s. ``"always"``
+    collects in full and empties every cache; ``"never"`` does neither.
     Without torch (a TensorFlow program) it only cleans up. Usable as ``with``, as
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
     functions and methods (torch's inference mode belongs to a thread, so it cannot follow a

@@ -113,6 +113,42 @@ def test_cleans_up_what_inference_left_in_a_cycle():
         gc.enable()
 
 
+def test_on_a_fragmented_heap_the_check_reads_the_resident_set_and_still_cleans_up(
+        python_in_subprocess):
+    # mallinfo2 walks every free block: on a heap of 10,000 free blocks between live ones
+    # it takes milliseconds, more than the forward it guards; the check then reads the
+    # resident set, and what a block leaves in a cycle is still collected
+    out = python_in_subprocess("""
+        import gc, json, time
+        import torch
+        import memguard
+        from memguard.backends import host
+        from memguard.backends.host import HostBackend
+        keep = [torch.ones(100 + i % 50) for i in range(20000)]
+        del keep[::2]  # free blocks between live ones
+        start = time.perf_counter()
+        host.malloc_in_use()
+        slow = time.perf_counter() - start
+        model = torch.nn.Linear(1024, 1024)
+        with memguard.inference_mode(model):
+            model(torch.ones(8, 1024))
+        kinds = [backend.read_quick(device)[0]
+                 for backend, device in memguard.backends.resolve_devices(None)
+                 if isinstance(backend, HostBackend)]
+        gc.disable()
+        rss = host.rss()
+        with memguard.inference_mode(model):
+            out = model(torch.ones(50_000, 1024))  # 200 MB of activations, in a cycle
+            holder = [out]
+            holder.append(holder)
+            del out, holder
+        print(json.dumps({"slow": slow, "kinds": kinds, "kept": host.rss() - rss}))
+    """)
+    assert out["slow"] > 200e-6, out  # precondition: mallinfo2 is slow on this heap
+    assert out["kinds"] == ["resident"], out
+    assert out["kept"] < 30 * MiB, out
+
+
 def test_without_torch_it_only_cleans_up(python_in_subprocess):
     out = python_in_subprocess("""
         import gc, json, sys
