@@ -57,7 +57,7 @@ class Attempt:
     ``find_batch_size``, one block of ``memguard.attempts``.
 
     Attributes:
-        size: the size the attempt ran at, counted in ``unit``s.
+        size: the size the attempt ran at, counted in units of ``unit``.
         ok: whether it succeeded (on every rank).
         unit: ``"batch"``, or ``"microbatch"`` for ``auto_microbatch``, whose size is the
             slice size.

@@ -1,0 +1,51 @@
+"""Sphinx configuration of memguard's documentation.
+
+Build: ``python -m sphinx -W -b html docs <out>``; the examples: ``python -m sphinx -W -b
+doctest docs <out>``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner
+
+import memguard  # noqa: E402  (the package is found from the repository root)
+
+project = "memguard"
+author = "the memguard authors"
+copyright = "memguard authors"
+release = version = memguard.__version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+    "sphinx.ext.viewcode",
+]
+# No network: no intersphinx; references to torch and friends stay plain text.
+
+exclude_patterns = ["_build"]
+templates_path: list[str] = []
+html_static_path = ["_static"]
+html_theme = "alabaster"
+html_title = f"memguard {release}"
+
+# Signatures come from the code; the docstrings are napoleon style (Args:, Returns:, Raises:).
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_preserve_defaults = True
+autodoc_default_options = {"members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# Doctests of docs/: every page's ``>>>`` examples and ``.. testcode::`` blocks run.
+doctest_global_setup = """
+import memguard
+"""
