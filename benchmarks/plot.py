@@ -46,8 +46,9 @@ def load(path: str) -> tuple[list[dict], str]:
         return data["panels"], data.get("source", path)
     if "results" in data:
         machine = data.get("machine", {})
-        return panels_of_results(data), (f"python -m benchmarks{' --quick' if data.get('quick') else ''}"
-                                         f", torch {machine.get('torch', '?')}")
+        quick = " --quick" if data.get("quick") else ""
+        return panels_of_results(data), (f"python -m benchmarks{quick}, "
+                                         f"torch {machine.get('torch', '?')}")
     raise ValueError(f"{path}: neither a figures file (\"panels\") nor a results file "
                      f"(\"results\"); give benchmarks/figures.json or a results.json that "
                      f"python -m benchmarks wrote")

@@ -45,7 +45,11 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
+
 # Doctests of docs/: every page's ``>>>`` examples and ``.. testcode::`` blocks run.
+# The docstrings' own examples run under pytest (``--doctest-modules``), in their modules'
+# namespaces; here only the pages' ``testcode``/``doctest`` directives run.
+doctest_test_doctest_blocks = ""
 doctest_global_setup = """
 import memguard
 """

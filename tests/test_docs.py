@@ -1,0 +1,119 @@
+"""The documentation: a reference entry for every public name, the README a front page whose
+test command is CI's, the Hugging Face recovery guide one click from the index, and a Sphinx
+build that passes with warnings as errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+import memguard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+
+
+def read(*path: str) -> str:
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def documented_in_api_rst() -> set[str]:
+    """The names that docs/api.rst hands to autodoc under ``memguard.``."""
+    return set(re.findall(r"^\.\. auto(?:function|class|exception|data)::\s+memguard\.(\w+)\s*$",
+                          read("docs", "api.rst"), re.MULTILINE))
+
+
+def inventory(path: str) -> dict[str, str]:
+    """``objects.inv`` of a built site: object name -> its ``domain:role``."""
+    with open(path, "rb") as f:
+        for _ in range(4):  # the header: version, project, version, "zlib" line
+            f.readline()
+        body = zlib.decompress(f.read()).decode()
+    entries = {}
+    for line in body.splitlines():
+        m = re.match(r"(.+?)\s+(\S+:\S+)\s+-?\d+\s+\S+\s+.*$", line)
+        if m:
+            entries[m.group(1)] = m.group(2)
+    return entries
+
+
+def ci_steps() -> list[str]:
+    """The commands of .ci/run, one per line, without comments, ``set`` and ``cd``."""
+    steps = []
+    for line in read(".ci", "run").splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "set ", "cd ")):
+            steps.append(line)
+    return steps
+
+
+def readme_test_command() -> str:
+    """The command under README.rst's "Run what CI runs" heading."""
+    readme = read("README.rst")
+    section = readme.split("Run what CI runs", 1)[1]
+    [command] = [line.strip() for line in section.splitlines()
+                 if line.startswith("    ") and "pytest" in line][:1]
+    return command
+
+
+def test_every_public_name_has_an_autodoc_entry_under_memguard():
+    missing = sorted(set(memguard.__all__) - documented_in_api_rst())
+    assert not missing, f"docs/api.rst documents no memguard.{missing}"
+
+
+def test_readme_is_a_front_page_of_at_most_300_lines():
+    lines = read("README.rst").splitlines()
+    assert len(lines) <= 300, f"README.rst has {len(lines)} lines"
+    readme = "\n".join(lines)
+    for guide in ("out-of-memory", "trainers", "distributed", "leaks", "watching", "tensorflow",
+                  "measuring"):
+        assert f"docs/guides/{guide}.rst" in readme, f"README.rst links no {guide} guide"
+        assert os.path.exists(os.path.join(DOCS, "guides", f"{guide}.rst"))
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    assert readme_test_command().split(" && ") == ci_steps()
+
+
+def test_the_index_links_the_hugging_face_recovery_guide():
+    index = read("docs", "index.rst")
+    assert ":ref:`hf-recovery`" in index.split(".. toctree::")[0], \
+        "the index's first lines link the Hugging Face recovery section"
+    trainers = read("docs", "guides", "trainers.rst")
+    heading = re.search(r"^\.\. _hf-recovery:\n\n(.+)\n~+$", trainers, re.MULTILINE)
+    assert heading, "docs/guides/trainers.rst has no hf-recovery label over a heading"
+    assert "Hugging Face" in heading.group(1) and "out-of-memory" in heading.group(1)
+    section = trainers[heading.end():].split("\n~~~")[0]
+    assert "@memguard.oom_retry(" in section and "trainer.train()" in section
+
+
+def test_nothing_in_the_documentation_speaks_of_one_machine():
+    texts = {"README.rst": read("README.rst")}
+    for folder, _, files in os.walk(DOCS):
+        for name in files:
+            if name.endswith(".rst"):
+                path = os.path.join(folder, name)
+                texts[os.path.relpath(path, ROOT)] = read(path)
+    for path, text in texts.items():
+        for phrase in ("this machine", "these machines", "on this 2-core"):
+            assert phrase not in text.lower(), f"{path} speaks of {phrase!r}"
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors_and_lists_every_public_name(tmp_path):
+    out = tmp_path / "html"
+    build = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", DOCS,
+                            str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert build.returncode == 0, build.stderr[-3000:]
+    entries = inventory(str(out / "objects.inv"))
+    missing = sorted(n for n in memguard.__all__ if f"memguard.{n}" not in entries)
+    assert not missing, f"no reference entry for memguard.{missing}"
+    index = (out / "index.html").read_text()
+    assert 'href="guides/trainers.html#hf-recovery"' in index
