@@ -235,6 +235,13 @@ def is_oom_error(exc: Any) -> bool:
     is not an exception (``False``, never an error). oneDNN's ``could not create a primitive``
     is not recognised: its message does not say whether memory was the cause.
 
+    Args:
+        exc: any object; only exceptions can be out-of-memory errors.
+
+    Returns:
+        ``True`` when ``exc`` (or the error it was raised ``from``) is an out-of-memory;
+        never raises.
+
     >>> import memguard
     >>> memguard.is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
     True

@@ -119,6 +119,19 @@ def record_history(path: str = "memory_snapshot.pickle", *, max_entries: int = 1
     again on exit. Without CUDA it warns once and does nothing. ``dumped`` is the path
     written, if any. Open the file at https://pytorch.org/memory_viz.
 
+    Args:
+        path: the file the snapshot is written to (a pickle that memory_viz opens).
+        max_entries: how many allocation events PyTorch keeps (a positive int).
+        on_oom_only: dump only when an out-of-memory passes through; ``False`` dumps on every
+            exit.
+
+    Returns:
+        A :class:`RecordHistory`: a context manager and a decorator; ``dumped`` is the path
+        written, if any.
+
+    Raises:
+        ValueError: a ``max_entries`` that is not a positive int.
+
     >>> import memguard
     >>> with memguard.record_history("oom.pickle"):  # doctest: +SKIP
     ...     train()

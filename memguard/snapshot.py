@@ -97,6 +97,18 @@ class MemorySnapshot:
 def snapshot(devices: Devices = None) -> MemorySnapshot:
     """Read the memory of ``devices`` (a name, a list of names, or every active device).
 
+    Args:
+        devices: a device name (``"host"``, ``"cuda:0"``, ``"GPU:0"``), a list of names, or
+            ``None`` for every active device.
+
+    Returns:
+        A :class:`MemorySnapshot`: each device's :class:`DeviceMemory` and, in ``budgets``, the
+        budget that binds each device.
+
+    Raises:
+        ValueError: an unknown device name.
+        TypeError: ``devices`` that is neither a name nor a list of names.
+
     >>> import memguard
     >>> snap = memguard.snapshot()
     >>> snap["host"].reserved > 0

@@ -284,6 +284,19 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
     (bytes or a size such as ``"1MiB"``) drops smaller ones; ``model`` (a ``torch.nn.Module``)
     names its parameters, their grads and its buffers.
 
+    Args:
+        device: only the tensors on this device (``"cuda:0"``, ``"cpu"`` or ``"host"``,
+            ``"GPU:0"``); ``None`` for every device.
+        min_bytes: leave out tensors smaller than this, in bytes or a size such as ``"1MiB"``.
+        model: a ``torch.nn.Module`` whose parameters, grads and buffers are named
+            (``"0.weight"``, ``"0.weight.grad"``).
+
+    Returns:
+        A list of :class:`TensorInfo`, largest first; each storage's bytes are counted once.
+
+    Raises:
+        ValueError: an unknown device, or a negative or unreadable ``min_bytes``.
+
     >>> import memguard
     >>> [t for t in memguard.live_tensors(min_bytes="1TiB")]
     []
@@ -927,6 +940,16 @@ def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:
     Per device it also gives, where the backend knows it, the gap between the census total
     and the allocator's ``allocated`` figure: buffers that autograd keeps in C++ (saved
     activations) and allocator rounding are invisible to any census.
+
+    Args:
+        device: only the storages on this device; ``None`` for every device.
+        top: how many groups of storages to list (a positive int).
+
+    Returns:
+        The report, a text table.
+
+    Raises:
+        ValueError: an unknown device, or a ``top`` that is not a positive int.
 
     >>> import memguard
     >>> print(memguard.memory_report(top=5))  # doctest: +SKIP
