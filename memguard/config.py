@@ -147,6 +147,10 @@ class MemoryLimit:
     """The context manager :func:`memory_limit` returns: ``limit`` in bytes and the
     ``device`` it binds (``"host"`` or ``"cuda:N"``).
 
+    Attributes:
+        limit: the bytes the block may use.
+        device: the device it binds, ``"host"`` or ``"cuda:N"``.
+
     >>> import memguard
     >>> limit = memguard.memory_limit("8GiB", "host")
     >>> limit.limit, limit.device

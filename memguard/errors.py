@@ -42,6 +42,10 @@ class MemoryLeakError(MemguardError):
     ``retained`` maps each offending device to the bytes it kept; ``limit`` is the
     ``max_leak`` in bytes.
 
+    Attributes:
+        retained: device -> the bytes it kept over the limit's reference level.
+        limit: the ``max_leak`` in bytes.
+
     >>> import memguard
     >>> kept = []
     >>> try:
@@ -66,6 +70,11 @@ class OutOfMemoryError(MemguardError, MemoryError):
     there is some to keep: for :func:`memguard.map_batches`, the list of results of the
     batches that completed, in order (``None`` otherwise). Being a ``MemoryError``, it is
     caught by ``except MemoryError`` and :func:`is_oom_error` accepts it.
+
+    Attributes:
+        attempts: the :class:`memguard.Attempt` records, in order.
+        partial: the results finished before the failure (:func:`memguard.map_batches`), or
+            ``None``.
 
     >>> import memguard
     >>> err = memguard.OutOfMemoryError("out of memory at batch sizes 8, 4", attempts=[])

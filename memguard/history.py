@@ -72,6 +72,10 @@ class RecordHistory:
     ``dumped`` is the path of the snapshot the last block wrote (``None`` when it wrote none:
     no out-of-memory with ``on_oom_only``, or no CUDA to record).
 
+    Attributes:
+        path: the file a snapshot is written to.
+        dumped: the path the last block wrote, or ``None``.
+
     >>> import memguard
     >>> recorder = memguard.record_history("oom.pickle", max_entries=10_000)
     >>> with recorder:

@@ -32,6 +32,14 @@ class RetryingFunction(Protocol[R_co]):
     Attributes:
         history: the last call's :class:`Attempt` records.
         batch_size: the last size that worked (``None`` before any success).
+
+    >>> import memguard
+    >>> @memguard.oom_retry(batch_size=4)
+    ... def train(batch_size):
+    ...     return batch_size * 2
+    >>> train(), train.batch_size, [a.size for a in train.history]
+    (8, 4, [4])
+
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...

@@ -161,6 +161,18 @@ class MemoryScope:
     set's high-water mark. A closed (or unused) scope pickles and deep-copies with its
     results; an open one raises ``TypeError``.
 
+    Attributes:
+        name: the scope's label, or ``None``.
+        before: the :class:`MemorySnapshot` taken on entry.
+        after: the :class:`MemorySnapshot` taken after the exit cleanup.
+        peak: device -> the highest allocation seen during the scope, in bytes.
+        retained: device -> the bytes still handed out after cleanup, over the entry level.
+        reserved_growth: device -> the change of ``reserved``, in signed bytes.
+        freed: the bytes the exit cleanup released.
+        elapsed: the block's duration, in seconds.
+        leaks: with ``track_tensors=True``, the :class:`TensorInfo` of the tensors created
+            inside and still alive, largest first.
+
     >>> import memguard
     >>> scope = memguard.memory_scope("epoch", cleanup="never")
     >>> with scope:

@@ -32,6 +32,12 @@ class MemorySnapshot:
     one line per budget. Snapshots pickle and deep-copy (equal to the original), so they
     cross process boundaries inside results and errors.
 
+    Attributes:
+        devices: device name -> :class:`DeviceMemory`.
+        time: ``time.time()`` when it was taken.
+        delta: whether it is a difference of two snapshots.
+        budgets: device name -> the :class:`Budget` that binds there (a mapping).
+
     >>> import memguard
     >>> before = memguard.snapshot()
     >>> after = memguard.snapshot()

@@ -95,6 +95,20 @@ class TensorInfo:
     on first access, then kept) are short paths from a root to the tensor, such as
     ``module __main__, global CACHE[3]`` or ``frame train() local 'outputs'``.
 
+    Attributes:
+        framework: ``"torch"`` or ``"tensorflow"``.
+        device: where the tensor lives (``"cpu"``, ``"cuda:0"``, ``"GPU:0"``).
+        dtype: its element type, as a string (``"float32"``).
+        shape: its shape (a ``torch.Size`` or a tuple of ints).
+        nbytes: the bytes it is counted for (0 when another tensor counts its storage).
+        is_view: whether it views another tensor's storage.
+        name: the parameter's qualified name when the census was given the model, else ``None``.
+        id: ``id()`` of the tensor.
+        alive: whether the tensor still exists (the census keeps only a weak reference).
+        saved_by: the live autograd graph that saved it, if any.
+        holders: short paths from a root to the tensor (computed on first access).
+        held_by: the holders in words.
+
     >>> import torch, memguard
     >>> CACHE = [torch.ones(1000, 1000)]
     >>> info = memguard.live_tensors(min_bytes=4_000_000)[0]
