@@ -4,6 +4,7 @@ build that passes with warnings as errors."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -117,3 +118,31 @@ def test_the_site_builds_with_warnings_as_errors_and_lists_every_public_name(tmp
     assert not missing, f"no reference entry for memguard.{missing}"
     index = (out / "index.html").read_text()
     assert 'href="guides/trainers.html#hf-recovery"' in index
+
+
+def guide_program(guide: str, first_line: str, after: str) -> str:
+    """The code block of ``docs/guides/<guide>.rst`` that starts with ``first_line``, up to
+    the paragraph that starts with ``after``, unindented."""
+    text = read("docs", "guides", f"{guide}.rst")
+    block = text[text.index(f"    {first_line}"):text.index(after)]
+    return "\n".join(line[4:] for line in block.splitlines())
+
+
+@pytest.mark.slow
+def test_the_hugging_face_recovery_program_of_the_guide_recovers(tmp_path):
+    """The trainers guide's program, run as the page shows it: a Trainer run that runs out of
+    memory under a 400 MiB budget at 1024 recovers at a smaller batch size."""
+    program = tmp_path / "recover.py"
+    program.write_text(guide_program("trainers", "import tempfile", "The logits of 1024"))
+    run = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path,
+                         env=dict(os.environ, TRANSFORMERS_VERBOSITY="error",
+                                  PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]  # the size, the sizes tried, the failures
+    printed = re.fullmatch(r"(\d+) (\[[\d, ]*\]) (\[[\d, ]*\])", last)
+    assert printed, run.stdout[-2000:]
+    final = int(printed.group(1))
+    tried, failures = ast.literal_eval(printed.group(2)), ast.literal_eval(printed.group(3))
+    assert tried[0] == 1024 and final == tried[-1] < 1024
+    assert failures == tried[:-1]
