@@ -146,3 +146,25 @@ def test_the_hugging_face_recovery_program_of_the_guide_recovers(tmp_path):
     tried, failures = ast.literal_eval(printed.group(2)), ast.literal_eval(printed.group(3))
     assert tried[0] == 1024 and final == tried[-1] < 1024
     assert failures == tried[:-1]
+
+
+def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
+    """benchmarks/plot.py draws benchmarks/figures.json; every non-integer figure in it is one
+    the out-of-memory guide's table quotes, so the picture and the text say the same."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks import plot
+    finally:
+        sys.path.remove(ROOT)
+    panels, source = plot.load(plot.FIGURES)
+    guide = read("docs", "guides", "out-of-memory.rst")
+    for panel in panels:
+        for bar in panel["bars"]:
+            value = bar["value"]
+            if value != int(value):
+                assert f"{value:g}" in guide or f"{value:.1e}" in guide, \
+                    f"{bar['label']}: {value} is not in the guide's table"
+    assert {bar["who"] for panel in panels for bar in panel["bars"]} == {"memguard", "peer"}
+    out = plot.draw(panels, source, str(tmp_path / "benchmarks.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
