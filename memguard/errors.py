@@ -16,6 +16,10 @@ class MemguardError(Exception):
     process reaches the parent as itself; ``__cause__`` and the traceback stay behind, as for
     every pickled exception.
 
+    Args:
+        *args: the message (what was wrong, with the value, and what to do), as for any
+            exception; subclasses add their own fields.
+
     >>> import pickle
     >>> err = pickle.loads(pickle.dumps(MemoryLeakError("kept 2 MiB", {"host": 2 << 20}, 1)))
     >>> type(err).__name__, err.retained, err.limit

@@ -77,6 +77,10 @@ def _settle_kept(pairs: Pairs, entry: InUse) -> None:
 class InferenceMode:
     """The object :func:`inference_mode` returns: a context manager and a decorator.
 
+    Attributes:
+        models: the modules switched to ``eval()`` inside the block.
+        cleanup: the exit policy, ``"auto"``, ``"always"`` or ``"never"``.
+
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 2)
     >>> mode = memguard.inference_mode(model, cleanup="never")
