@@ -276,6 +276,8 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     same number of attempts. A ``tf.function`` retraces for each new batch shape.
 
     Args:
+        func: the function to decorate, for the bare ``@oom_retry``; left out when the
+            decorator is given arguments.
         batch_size: the size to start at when the call passes none (else the parameter's
             default).
         arg: the parameter the size is passed through.

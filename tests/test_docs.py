@@ -5,6 +5,7 @@ build that passes with warnings as errors."""
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import re
 import subprocess
@@ -66,6 +67,21 @@ def readme_test_command() -> str:
 def test_every_public_name_has_an_autodoc_entry_under_memguard():
     missing = sorted(set(memguard.__all__) - documented_in_api_rst())
     assert not missing, f"docs/api.rst documents no memguard.{missing}"
+
+
+@pytest.mark.parametrize("name", memguard.__all__)
+def test_every_public_docstring_has_napoleon_sections_and_an_example(name):
+    doc = inspect.getdoc(getattr(memguard, name)) or ""
+    sections = [s for s in ("Args:", "Returns:", "Raises:", "Attributes:") if s in doc]
+    assert sections, f"memguard.{name}: no Args:/Returns:/Raises:/Attributes: section"
+    assert ">>>" in doc, f"memguard.{name}: no example"
+    if callable(getattr(memguard, name)) and not inspect.isclass(getattr(memguard, name)):
+        params = list(inspect.signature(getattr(memguard, name)).parameters)
+        if params:
+            assert "Args:" in doc, f"memguard.{name}: parameters {params} but no Args:"
+            for param in params:
+                assert re.search(rf"^\s+\*{{0,2}}{param}:", doc, re.MULTILINE), \
+                    f"memguard.{name}: Args: does not describe {param}"
 
 
 def test_readme_is_a_front_page_of_at_most_300_lines():
