@@ -29,6 +29,17 @@ def parse_size(value: Size, name: str = "size") -> int:
     ``TypeError``, an unreadable, negative or impossibly large value (over :data:`MAX_SIZE`) a
     ``ValueError``; both name ``name`` and the value.
 
+    Args:
+        value: bytes (an int) or a string such as ``"512MiB"`` or ``"1.5GB"``.
+        name: the parameter's name, quoted by the error messages.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        TypeError: a value that is neither an int nor a string.
+        ValueError: an unreadable, negative or impossibly large value.
+
     >>> parse_size("1.5GiB")
     1610612736
     >>> parse_size("64MB")
@@ -86,6 +97,22 @@ def format_bytes(n: int | None, signed: bool = False) -> str:
     """Format a byte count in binary units: ``format_bytes(41943040) == '40.0 MiB'``.
 
     ``None`` formats as ``'-'``; with ``signed=True`` positive values get a ``+``.
+
+    Args:
+        n: a count of bytes, or ``None``.
+        signed: put a ``+`` before positive values (for differences).
+
+    Returns:
+        The count in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``).
+
+    >>> from memguard import format_bytes
+    >>> format_bytes(41943040)
+    '40.0 MiB'
+    >>> format_bytes(2**20, signed=True)
+    '+1.0 MiB'
+    >>> format_bytes(None)
+    '-'
+
     """
     if n is None:
         return "-"

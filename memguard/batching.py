@@ -34,6 +34,9 @@ class BatchSize(int):
     """The size :func:`find_batch_size` found: an ``int``, with ``history``, the
     :class:`Attempt` record of every trial.
 
+    Attributes:
+        history: the :class:`Attempt` record of every trial, in order.
+
     >>> size = BatchSize(48, [])
     >>> size + 2, size.history
     (50, [])
@@ -408,6 +411,9 @@ class BatchResults(list):
     """The list :func:`map_batches` returns (without ``collate``): one result per call of
     ``fn``, in order, and ``history``, the :class:`Attempt` records of its retries (one per
     out-of-memory, and one for the size that worked next).
+
+    Attributes:
+        history: the :class:`Attempt` records of the retries.
 
     >>> results = BatchResults([1, 2])
     >>> results, results.history

@@ -115,6 +115,10 @@ def free_memory(*, keras: bool = False) -> int:
     Returns:
         The bytes given back, summed over devices.
 
+    Raises:
+        TypeError: a positional argument (it is not a decorator: use
+            :func:`memguard.frees_memory`).
+
     >>> import memguard
     >>> memguard.free_memory() >= 0
     True

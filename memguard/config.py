@@ -79,6 +79,22 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
     values win), and writes both variables. The allocator reads them when CUDA initialises:
     called later it warns that the settings cannot take effect in this process.
 
+    Args:
+        max_split_size_mb: blocks larger than this (MiB, an int above 20) are never split.
+        expandable_segments: let the allocator grow segments instead of allocating new ones.
+        garbage_collection_threshold: reclaim cached blocks once this fraction (between 0 and 1)
+            of the memory is in use.
+        backend: ``"native"`` or ``"cudaMallocAsync"``.
+        roundup_power2_divisions: round allocations up to this many divisions of a power of
+            two (a power of two up to 16).
+
+    Returns:
+        The merged configuration, as written to ``PYTORCH_ALLOC_CONF`` and
+        ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    Raises:
+        ValueError: a value outside its range, naming the option and the range.
+
     >>> import memguard
     >>> memguard.configure_allocator(expandable_segments=True)  # doctest: +SKIP
     'expandable_segments:True'
@@ -106,6 +122,16 @@ def tf_memory_growth(enable: bool = True) -> int:
     without GPUs or without TensorFlow installed). Once TensorFlow has initialised its GPUs,
     a ``RuntimeError`` says to call it before any TensorFlow op.
 
+    Args:
+        enable: turn memory growth on (``True``) or off.
+
+    Returns:
+        The number of GPUs set (0 without GPUs or without TensorFlow).
+
+    Raises:
+        RuntimeError: TensorFlow has already initialised its GPUs; call it before any
+            TensorFlow op.
+
     >>> import memguard
     >>> memguard.tf_memory_growth()  # doctest: +SKIP
     0
@@ -120,6 +146,10 @@ def tf_memory_growth(enable: bool = True) -> int:
 class MemoryLimit:
     """The context manager :func:`memory_limit` returns: ``limit`` in bytes and the
     ``device`` it binds (``"host"`` or ``"cuda:N"``).
+
+    Attributes:
+        limit: the bytes the block may use.
+        device: the device it binds, ``"host"`` or ``"cuda:N"``.
 
     >>> import memguard
     >>> limit = memguard.memory_limit("8GiB", "host")
@@ -253,6 +283,13 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
 
     Returns:
         a :class:`MemoryLimit`, to use with ``with``.
+
+    Raises:
+        TypeError: a ``device`` that is not a string.
+        ValueError: a device other than ``"host"``, ``"cuda"``, ``"cuda:N"``, a CUDA device torch
+            does not see, or an unreadable ``limit``.
+        RuntimeError: a TensorFlow GPU, which can only be limited before TensorFlow initialises
+            it.
 
     >>> import torch, memguard
     >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP

@@ -16,6 +16,10 @@ class MemguardError(Exception):
     process reaches the parent as itself; ``__cause__`` and the traceback stay behind, as for
     every pickled exception.
 
+    Args:
+        *args: the message (what was wrong, with the value, and what to do), as for any
+            exception; subclasses add their own fields.
+
     >>> import pickle
     >>> err = pickle.loads(pickle.dumps(MemoryLeakError("kept 2 MiB", {"host": 2 << 20}, 1)))
     >>> type(err).__name__, err.retained, err.limit
@@ -42,6 +46,10 @@ class MemoryLeakError(MemguardError):
     ``retained`` maps each offending device to the bytes it kept; ``limit`` is the
     ``max_leak`` in bytes.
 
+    Attributes:
+        retained: device -> the bytes it kept over the limit's reference level.
+        limit: the ``max_leak`` in bytes.
+
     >>> import memguard
     >>> kept = []
     >>> try:
@@ -66,6 +74,11 @@ class OutOfMemoryError(MemguardError, MemoryError):
     there is some to keep: for :func:`memguard.map_batches`, the list of results of the
     batches that completed, in order (``None`` otherwise). Being a ``MemoryError``, it is
     caught by ``except MemoryError`` and :func:`is_oom_error` accepts it.
+
+    Attributes:
+        attempts: the :class:`memguard.Attempt` records, in order.
+        partial: the results finished before the failure (:func:`memguard.map_batches`), or
+            ``None``.
 
     >>> import memguard
     >>> err = memguard.OutOfMemoryError("out of memory at batch sizes 8, 4", attempts=[])
@@ -234,6 +247,13 @@ def is_oom_error(exc: Any) -> bool:
     ``asyncio.CancelledError``) never are, whatever their chain, and neither is anything that
     is not an exception (``False``, never an error). oneDNN's ``could not create a primitive``
     is not recognised: its message does not say whether memory was the cause.
+
+    Args:
+        exc: any object; only exceptions can be out-of-memory errors.
+
+    Returns:
+        ``True`` when ``exc`` (or the error it was raised ``from``) is an out-of-memory;
+        never raises.
 
     >>> import memguard
     >>> memguard.is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory"))

@@ -72,6 +72,10 @@ class RecordHistory:
     ``dumped`` is the path of the snapshot the last block wrote (``None`` when it wrote none:
     no out-of-memory with ``on_oom_only``, or no CUDA to record).
 
+    Attributes:
+        path: the file a snapshot is written to.
+        dumped: the path the last block wrote, or ``None``.
+
     >>> import memguard
     >>> recorder = memguard.record_history("oom.pickle", max_entries=10_000)
     >>> with recorder:
@@ -118,6 +122,19 @@ def record_history(path: str = "memory_snapshot.pickle", *, max_entries: int = 1
     passes through it (always, on exit, with ``on_oom_only=False``); recording is turned off
     again on exit. Without CUDA it warns once and does nothing. ``dumped`` is the path
     written, if any. Open the file at https://pytorch.org/memory_viz.
+
+    Args:
+        path: the file the snapshot is written to (a pickle that memory_viz opens).
+        max_entries: how many allocation events PyTorch keeps (a positive int).
+        on_oom_only: dump only when an out-of-memory passes through; ``False`` dumps on every
+            exit.
+
+    Returns:
+        A :class:`RecordHistory`: a context manager and a decorator; ``dumped`` is the path
+        written, if any.
+
+    Raises:
+        ValueError: a ``max_entries`` that is not a positive int.
 
     >>> import memguard
     >>> with memguard.record_history("oom.pickle"):  # doctest: +SKIP

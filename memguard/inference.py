@@ -78,6 +78,10 @@ def _settle_kept(pairs: Pairs, entry: InUse) -> None:
 class InferenceMode:
     """The object :func:`inference_mode` returns: a context manager and a decorator.
 
+    Attributes:
+        models: the modules switched to ``eval()`` inside the block.
+        cleanup: the exit policy, ``"auto"``, ``"always"`` or ``"never"``.
+
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 2)
     >>> mode = memguard.inference_mode(model, cleanup="never")
@@ -148,6 +152,20 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
     functions and methods (torch's inference mode belongs to a thread, so it cannot follow a
     coroutine or a generator between steps).
+
+    Args:
+        *models: the ``torch.nn.Module`` objects to switch to ``eval()`` inside the block. Given
+            a function (bare ``@inference_mode``), it decorates it.
+        cleanup: ``"auto"``, ``"always"`` or ``"never"`` (see above).
+
+    Returns:
+        An :class:`InferenceMode`: a context manager and a decorator.
+
+    Raises:
+        TypeError: an argument that is not a ``torch.nn.Module`` (named by its position; a
+            Keras model takes ``training=False`` instead), or a coroutine or generator function
+            given to the decorator.
+        ValueError: a bad ``cleanup``.
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 2)

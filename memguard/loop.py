@@ -57,7 +57,7 @@ class Attempt:
     ``find_batch_size``, one block of ``memguard.attempts``.
 
     Attributes:
-        size: the size the attempt ran at, counted in ``unit``s.
+        size: the size the attempt ran at, counted in units of ``unit``.
         ok: whether it succeeded (on every rank).
         unit: ``"batch"``, or ``"microbatch"`` for ``auto_microbatch``, whose size is the
             slice size.
@@ -602,7 +602,21 @@ class AttemptBlock:
 class Attempts(Loop):
     """The loop of :func:`attempts`: iterate it, and run each attempt's work in ``with
     attempt:``. ``history`` holds the :class:`Attempt` records; ``batch_size`` the size of
-    the attempt that succeeded (``None`` before one did)."""
+    the attempt that succeeded (``None`` before one did).
+
+    Attributes:
+        history: the :class:`Attempt` records, in order.
+        batch_size: the size of the attempt that succeeded (``None`` before one did).
+
+    >>> import memguard
+    >>> loop = memguard.attempts(batch_size=8)
+    >>> for attempt in loop:
+    ...     with attempt:
+    ...         pass
+    >>> loop.batch_size, [a.size for a in loop.history]
+    (8, [8])
+
+    """
 
     @property
     def history(self) -> list[Attempt]:

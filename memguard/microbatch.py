@@ -56,6 +56,16 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     Attributes:
         microbatch_size: the slice size that fitted (``None`` until a batch was split).
         history: the last call's :class:`Attempt` records (``unit="microbatch"``).
+
+    >>> import torch, memguard
+    >>> model = torch.nn.Linear(4, 1)
+    >>> @memguard.auto_microbatch(model)
+    ... def loss_of(batch):
+    ...     return model(batch).pow(2).mean()
+    >>> loss = loss_of(torch.ones(8, 4))
+    >>> loss_of.microbatch_size is None, loss.requires_grad, model.weight.grad is not None
+    (True, False, True)
+
     """
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...

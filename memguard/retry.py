@@ -32,6 +32,14 @@ class RetryingFunction(Protocol[R_co]):
     Attributes:
         history: the last call's :class:`Attempt` records.
         batch_size: the last size that worked (``None`` before any success).
+
+    >>> import memguard
+    >>> @memguard.oom_retry(batch_size=4)
+    ... def train(batch_size):
+    ...     return batch_size * 2
+    >>> train(), train.batch_size, [a.size for a in train.history]
+    (8, 4, [4])
+
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
@@ -268,6 +276,8 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     same number of attempts. A ``tf.function`` retraces for each new batch shape.
 
     Args:
+        func: the function to decorate, for the bare ``@oom_retry``; left out when the
+            decorator is given arguments.
         batch_size: the size to start at when the call passes none (else the parameter's
             default).
         arg: the parameter the size is passed through.

@@ -161,6 +161,18 @@ class MemoryScope:
     set's high-water mark. A closed (or unused) scope pickles and deep-copies with its
     results; an open one raises ``TypeError``.
 
+    Attributes:
+        name: the scope's label, or ``None``.
+        before: the :class:`MemorySnapshot` taken on entry.
+        after: the :class:`MemorySnapshot` taken after the exit cleanup.
+        peak: device -> the highest allocation seen during the scope, in bytes.
+        retained: device -> the bytes still handed out after cleanup, over the entry level.
+        reserved_growth: device -> the change of ``reserved``, in signed bytes.
+        freed: the bytes the exit cleanup released.
+        elapsed: the block's duration, in seconds.
+        leaks: with ``track_tensors=True``, the :class:`TensorInfo` of the tensors created
+            inside and still alive, largest first.
+
     >>> import memguard
     >>> scope = memguard.memory_scope("epoch", cleanup="never")
     >>> with scope:
@@ -399,6 +411,27 @@ def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup 
     ``holders`` and ``held_by``; ``str(scope)`` and the leak error (``.leaks`` too) then say
     what keeps them, a graph kept by a ``loss`` named once by the loss's holder.
 
+    Args:
+        name: a label for the scope, in its summary, its log line and a monitor's marks. Given
+            a function (bare ``@memory_scope``), the scope decorates it.
+        devices: the device name or names to watch (``"host"``, ``"cuda:0"``, ...); ``None``
+            for every active device.
+        cleanup: ``"auto"``, ``"always"`` or ``"never"``: what to do on exit (see above).
+        max_leak: the most a device may retain, in bytes or a size such as ``"64MiB"``;
+            ``None`` judges nothing.
+        track_tensors: record the live tensors on entry and list in ``leaks`` those created
+            inside and still alive, with their holders.
+
+    Returns:
+        A :class:`MemoryScope`: a context manager whose figures are filled on exit, and a
+        decorator that opens a new scope per call.
+
+    Raises:
+        MemoryLeakError: on exit, when a device retained more than ``max_leak`` and the block
+            itself raised nothing (then a warning is logged instead).
+        ValueError: a bad ``cleanup``, ``max_leak`` or device name, named with its value.
+        TypeError: ``devices`` that is neither a name nor a list of names.
+
     >>> import memguard
     >>> with memguard.memory_scope("load") as scope:
     ...     data = bytearray(50 * 2**20)
@@ -599,6 +632,26 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     process, so a call is charged with what others allocated *during* its run and still hold.
     Recursive calls (in one thread or task) clean up once, when the outermost returns; each
     generator cleans up when it finishes or is closed, wherever that happens.
+
+    Args:
+        func: the function to decorate, for the bare ``@frees_memory``; left out when the
+            decorator is given arguments.
+        every: clean up after every ``every``-th call (a positive int).
+        cleanup: ``"auto"``, ``"always"`` or ``"never"`` (see above).
+        max_leak: the most a call may keep on a device, in bytes or a size such as
+            ``"256MiB"``; ``None`` judges nothing.
+        warmup: how many first calls clean up without being judged against ``max_leak``.
+        track_tensors: name the tensors that a call which kept too much created and left alive.
+
+    Returns:
+        The decorated function, with its signature, name and docstring (``@frees_memory``), or
+        a decorator (``@frees_memory(...)``).
+
+    Raises:
+        MemoryLeakError: after a judged call that kept more than ``max_leak`` on a device.
+        ValueError: a bad ``every``, ``warmup``, ``cleanup`` or ``max_leak``, named with its
+            value.
+        TypeError: an async generator function, which cannot be cleaned up after.
 
     >>> import memguard
     >>> @memguard.frees_memory

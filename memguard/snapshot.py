@@ -32,6 +32,12 @@ class MemorySnapshot:
     one line per budget. Snapshots pickle and deep-copy (equal to the original), so they
     cross process boundaries inside results and errors.
 
+    Attributes:
+        devices: device name -> :class:`DeviceMemory`.
+        time: ``time.time()`` when it was taken.
+        delta: whether it is a difference of two snapshots.
+        budgets: device name -> the :class:`Budget` that binds there (a mapping).
+
     >>> import memguard
     >>> before = memguard.snapshot()
     >>> after = memguard.snapshot()
@@ -96,6 +102,18 @@ class MemorySnapshot:
 
 def snapshot(devices: Devices = None) -> MemorySnapshot:
     """Read the memory of ``devices`` (a name, a list of names, or every active device).
+
+    Args:
+        devices: a device name (``"host"``, ``"cuda:0"``, ``"GPU:0"``), a list of names, or
+            ``None`` for every active device.
+
+    Returns:
+        A :class:`MemorySnapshot`: each device's :class:`DeviceMemory` and, in ``budgets``, the
+        budget that binds each device.
+
+    Raises:
+        ValueError: an unknown device name.
+        TypeError: ``devices`` that is neither a name nor a list of names.
 
     >>> import memguard
     >>> snap = memguard.snapshot()

@@ -96,6 +96,20 @@ class TensorInfo:
     on first access, then kept) are short paths from a root to the tensor, such as
     ``module __main__, global CACHE[3]`` or ``frame train() local 'outputs'``.
 
+    Attributes:
+        framework: ``"torch"`` or ``"tensorflow"``.
+        device: where the tensor lives (``"cpu"``, ``"cuda:0"``, ``"GPU:0"``).
+        dtype: its element type, as a string (``"float32"``).
+        shape: its shape (a ``torch.Size`` or a tuple of ints).
+        nbytes: the bytes it is counted for (0 when another tensor counts its storage).
+        is_view: whether it views another tensor's storage.
+        name: the parameter's qualified name when the census was given the model, else ``None``.
+        id: ``id()`` of the tensor.
+        alive: whether the tensor still exists (the census keeps only a weak reference).
+        saved_by: the live autograd graph that saved it, if any.
+        holders: short paths from a root to the tensor (computed on first access).
+        held_by: the holders in words.
+
     >>> import torch, memguard
     >>> CACHE = [torch.ones(1000, 1000)]
     >>> info = memguard.live_tensors(min_bytes=4_000_000)[0]
@@ -284,6 +298,19 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
     ``"host"``, ``"GPU:0"``; a name that is not a device is a ``ValueError``). ``min_bytes``
     (bytes or a size such as ``"1MiB"``) drops smaller ones; ``model`` (a ``torch.nn.Module``)
     names its parameters, their grads and its buffers.
+
+    Args:
+        device: only the tensors on this device (``"cuda:0"``, ``"cpu"`` or ``"host"``,
+            ``"GPU:0"``); ``None`` for every device.
+        min_bytes: leave out tensors smaller than this, in bytes or a size such as ``"1MiB"``.
+        model: a ``torch.nn.Module`` whose parameters, grads and buffers are named
+            (``"0.weight"``, ``"0.weight.grad"``).
+
+    Returns:
+        A list of :class:`TensorInfo`, largest first; each storage's bytes are counted once.
+
+    Raises:
+        ValueError: an unknown device, or a negative or unreadable ``min_bytes``.
 
     >>> import memguard
     >>> [t for t in memguard.live_tensors(min_bytes="1TiB")]
@@ -934,6 +961,16 @@ def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:
     Per device it also gives, where the backend knows it, the gap between the census total
     and the allocator's ``allocated`` figure: buffers that autograd keeps in C++ (saved
     activations) and allocator rounding are invisible to any census.
+
+    Args:
+        device: only the storages on this device; ``None`` for every device.
+        top: how many groups of storages to list (a positive int).
+
+    Returns:
+        The report, a text table.
+
+    Raises:
+        ValueError: an unknown device, or a ``top`` that is not a positive int.
 
     >>> import memguard
     >>> print(memguard.memory_report(top=5))  # doctest: +SKIP

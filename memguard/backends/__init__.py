@@ -33,6 +33,17 @@ Devices = Optional[Union[str, Iterable[str]]]
 def activate(framework: str) -> Backend:
     """Import ``framework`` ("torch" or "tensorflow") and make its backend active.
 
+    Args:
+        framework: ``"torch"`` or ``"tensorflow"``.
+
+    Returns:
+        The framework's backend, now active: its devices are read by :func:`snapshot` and
+        cleaned by :func:`free_memory`.
+
+    Raises:
+        ValueError: a framework memguard does not know.
+        ImportError: the framework is not installed.
+
     >>> from memguard import backends
     >>> backends.activate("torch").name
     'torch'
@@ -60,7 +71,17 @@ def _devices_of(backend: Backend) -> list[str]:
 
 
 def list_devices() -> list[str]:
-    """Names of every device the active backends can read now (``host`` first)."""
+    """Names of every device the active backends can read now (``host`` first).
+
+    Returns:
+        The device names, ``"host"`` first, then those of torch (``"cuda:0"``, ``"mps"``,
+        ``"xpu:0"``) and TensorFlow (``"GPU:0"``) once the program has initialised them.
+
+    >>> import memguard
+    >>> memguard.list_devices()[0]
+    'host'
+
+    """
     return [d for b in active_backends() for d in _devices_of(b)]
 
 

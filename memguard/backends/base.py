@@ -20,6 +20,14 @@ class DeviceMemory:
       (highest resident set on the host);
     - ``free`` / ``total``: the device's free and total memory, across all processes.
 
+    Attributes:
+        device: the device's name (``"host"``, ``"cuda:0"``, ``"GPU:0"``).
+        allocated: bytes handed out to live objects.
+        reserved: bytes the allocator holds from the system.
+        peak: the high-water mark since the last reset.
+        free: the device's free memory, across processes.
+        total: the device's total memory.
+
     >>> import memguard
     >>> mem = memguard.snapshot()["host"]
     >>> mem.reserved > 0

@@ -39,6 +39,14 @@ class Budget:
     Each kind reads once in messages: what it counts is added where its name does not say
     it already.
 
+    Attributes:
+        device: the device it limits.
+        kind: what it is (see above).
+        limit: its size in bytes.
+        used: the bytes of it in use.
+        reusable: the part of ``used`` the allocator holds free for the next allocations.
+        available: what is left for new allocations (``limit - used + reusable``, at least 0).
+
     >>> str(Budget("host", "memory_limit", 60 * 2**20, 42 * 2**20))
     'host: memory_limit 60.0 MiB (address space), 42.0 MiB used, 18.0 MiB available'
     >>> str(Budget("host", "physical memory", 8 * 2**30, 2**30))

@@ -41,6 +41,22 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     again. Pass ``on_retry=callback.on_retry`` to ``oom_retry``: it readies the callback (the
     next ``fit`` would too). ``scopes`` holds every finished scope.
 
+    Args:
+        max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
+            or a size such as ``"256MiB"``; ``None`` judges nothing.
+        track_tensors: name the biggest leaked tensors and their holders in the error.
+        cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
+            ``"never"``.
+        log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
+            ``None`` for epochs only.
+
+    Raises:
+        MemoryLeakError: at the end of an epoch (after the first) that retained more than
+            ``max_leak``.
+        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (a ``TypeError``
+            for one of the wrong type), named with its
+            value.
+
     >>> from memguard.integrations.lightning import MemguardCallback
     >>> callback = MemguardCallback(max_leak="256MiB", log_every_n_steps=50)
     >>> callback.failures

@@ -1,0 +1,76 @@
+"""Sphinx configuration of memguard's documentation.
+
+Build: ``python -m sphinx -W -b html docs <out>``; the examples: ``python -m sphinx -W -b
+doctest docs <out>``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner
+
+import memguard  # noqa: E402  (the package is found from the repository root)
+
+project = "memguard"
+author = "the memguard authors"
+copyright = "memguard authors"
+release = version = memguard.__version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+    "sphinx.ext.viewcode",
+]
+# No network: no intersphinx; references to torch and friends stay plain text.
+
+# The integrations import their trainer's framework: where one is not installed, autodoc
+# documents its module against a stand-in, so the site builds with Sphinx and memguard alone.
+FRAMEWORKS = ("transformers", "pytorch_lightning", "lightning", "keras", "tensorflow")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+autodoc_mock_imports = [m for m in FRAMEWORKS if not installed(m)]
+
+exclude_patterns = ["_build"]
+templates_path: list[str] = []
+html_static_path = ["_static"]
+html_theme = "alabaster"
+html_title = f"memguard {release}"
+
+# Signatures come from the code; the docstrings are napoleon style (Args:, Returns:, Raises:).
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_preserve_defaults = True
+autodoc_default_options = {"members": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+
+# Doctests of docs/: every page's ``>>>`` examples and ``.. testcode::`` blocks run.
+# The docstrings' own examples run under pytest (``--doctest-modules``), in their modules'
+# namespaces; here only the pages' ``testcode``/``doctest`` directives run.
+doctest_test_doctest_blocks = ""
+doctest_global_setup = """
+import memguard
+
+try:  # the TensorFlow guide's examples run where TensorFlow is installed
+    import tensorflow
+    tensorflow_installed = not hasattr(tensorflow, "__sphinx_mock__")
+except ImportError:
+    tensorflow_installed = False
+"""

@@ -1,0 +1,188 @@
+"""The documentation: a reference entry for every public name, the README a front page whose
+test command is CI's, the Hugging Face recovery guide one click from the index, and a Sphinx
+build that passes with warnings as errors."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+import memguard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+
+
+def read(*path: str) -> str:
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def documented_in_api_rst() -> set[str]:
+    """The names that docs/api.rst hands to autodoc under ``memguard.``."""
+    return set(re.findall(r"^\.\. auto(?:function|class|exception|data)::\s+memguard\.(\w+)\s*$",
+                          read("docs", "api.rst"), re.MULTILINE))
+
+
+def inventory(path: str) -> dict[str, str]:
+    """``objects.inv`` of a built site: object name -> its ``domain:role``."""
+    with open(path, "rb") as f:
+        for _ in range(4):  # the header: version, project, version, "zlib" line
+            f.readline()
+        body = zlib.decompress(f.read()).decode()
+    entries = {}
+    for line in body.splitlines():
+        m = re.match(r"(.+?)\s+(\S+:\S+)\s+-?\d+\s+\S+\s+.*$", line)
+        if m:
+            entries[m.group(1)] = m.group(2)
+    return entries
+
+
+def ci_steps() -> list[str]:
+    """The commands of .ci/run, one per line, without comments, ``set`` and ``cd``."""
+    steps = []
+    for line in read(".ci", "run").splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "set ", "cd ")):
+            steps.append(line)
+    return steps
+
+
+def readme_test_command() -> str:
+    """The command under README.rst's "Run what CI runs" heading."""
+    readme = read("README.rst")
+    section = readme.split("Run what CI runs", 1)[1]
+    [command] = [line.strip() for line in section.splitlines()
+                 if line.startswith("    ") and "pytest" in line][:1]
+    return command
+
+
+def test_every_public_name_has_an_autodoc_entry_under_memguard():
+    missing = sorted(set(memguard.__all__) - documented_in_api_rst())
+    assert not missing, f"docs/api.rst documents no memguard.{missing}"
+
+
+@pytest.mark.parametrize("name", memguard.__all__)
+def test_every_public_docstring_has_napoleon_sections_and_an_example(name):
+    doc = inspect.getdoc(getattr(memguard, name)) or ""
+    sections = [s for s in ("Args:", "Returns:", "Raises:", "Attributes:") if s in doc]
+    assert sections, f"memguard.{name}: no Args:/Returns:/Raises:/Attributes: section"
+    assert ">>>" in doc, f"memguard.{name}: no example"
+    if callable(getattr(memguard, name)) and not inspect.isclass(getattr(memguard, name)):
+        params = list(inspect.signature(getattr(memguard, name)).parameters)
+        if params:
+            assert "Args:" in doc, f"memguard.{name}: parameters {params} but no Args:"
+            for param in params:
+                assert re.search(rf"^\s+\*{{0,2}}{param}:", doc, re.MULTILINE), \
+                    f"memguard.{name}: Args: does not describe {param}"
+
+
+def test_readme_is_a_front_page_of_at_most_300_lines():
+    lines = read("README.rst").splitlines()
+    assert len(lines) <= 300, f"README.rst has {len(lines)} lines"
+    readme = "\n".join(lines)
+    for guide in ("out-of-memory", "trainers", "distributed", "leaks", "watching", "tensorflow",
+                  "measuring"):
+        assert f"docs/guides/{guide}.rst" in readme, f"README.rst links no {guide} guide"
+        assert os.path.exists(os.path.join(DOCS, "guides", f"{guide}.rst"))
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    assert readme_test_command().split(" && ") == ci_steps()
+
+
+def test_the_index_links_the_hugging_face_recovery_guide():
+    index = read("docs", "index.rst")
+    assert ":ref:`hf-recovery`" in index.split(".. toctree::")[0], \
+        "the index's first lines link the Hugging Face recovery section"
+    trainers = read("docs", "guides", "trainers.rst")
+    heading = re.search(r"^\.\. _hf-recovery:\n\n(.+)\n~+$", trainers, re.MULTILINE)
+    assert heading, "docs/guides/trainers.rst has no hf-recovery label over a heading"
+    assert "Hugging Face" in heading.group(1) and "out-of-memory" in heading.group(1)
+    section = trainers[heading.end():].split("\n~~~")[0]
+    assert "@memguard.oom_retry(" in section and "trainer.train()" in section
+
+
+def test_nothing_in_the_documentation_speaks_of_one_machine():
+    texts = {"README.rst": read("README.rst")}
+    for folder, _, files in os.walk(DOCS):
+        for name in files:
+            if name.endswith(".rst"):
+                path = os.path.join(folder, name)
+                texts[os.path.relpath(path, ROOT)] = read(path)
+    for path, text in texts.items():
+        for phrase in ("this machine", "these machines", "on this 2-core"):
+            assert phrase not in text.lower(), f"{path} speaks of {phrase!r}"
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors_and_lists_every_public_name(tmp_path):
+    out = tmp_path / "html"
+    build = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", DOCS,
+                            str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert build.returncode == 0, build.stderr[-3000:]
+    entries = inventory(str(out / "objects.inv"))
+    missing = sorted(n for n in memguard.__all__ if f"memguard.{n}" not in entries)
+    assert not missing, f"no reference entry for memguard.{missing}"
+    index = (out / "index.html").read_text()
+    assert 'href="guides/trainers.html#hf-recovery"' in index
+
+
+def guide_program(guide: str, first_line: str, after: str) -> str:
+    """The code block of ``docs/guides/<guide>.rst`` that starts with ``first_line``, up to
+    the paragraph that starts with ``after``, unindented."""
+    text = read("docs", "guides", f"{guide}.rst")
+    block = text[text.index(f"    {first_line}"):text.index(after)]
+    return "\n".join(line[4:] for line in block.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first_line, after, start", [
+    ("import tempfile", "The logits of 1024", 1024),                  # Hugging Face
+    ("import pytorch_lightning as pl", "With the CPU build of PyTorch it printed", 16384),
+], ids=["hugging-face", "lightning"])
+def test_the_recovery_programs_of_the_trainers_guide_recover(tmp_path, first_line, after, start):
+    """The trainers guide's programs, run as the page shows them: a trainer's run that runs
+    out of memory under a host budget at ``start`` recovers at a smaller batch size."""
+    program = tmp_path / "recover.py"
+    program.write_text(guide_program("trainers", first_line, after))
+    run = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path,
+                         env=dict(os.environ, TRANSFORMERS_VERBOSITY="error",
+                                  PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]  # the size that worked, then the sizes tried
+    printed = re.match(r"(\d+) (\[[\d, ]*\])", last)
+    assert printed, run.stdout[-2000:]
+    final, tried = int(printed.group(1)), ast.literal_eval(printed.group(2))
+    assert tried[0] == start and final == tried[-1] < start
+
+
+def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
+    """benchmarks/plot.py draws benchmarks/figures.json; every non-integer figure in it is one
+    the out-of-memory guide's table quotes, so the picture and the text say the same."""
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks import plot
+    finally:
+        sys.path.remove(ROOT)
+    panels, source = plot.load(plot.FIGURES)
+    guide = read("docs", "guides", "out-of-memory.rst")
+    for panel in panels:
+        for bar in panel["bars"]:
+            value = bar["value"]
+            if value != int(value):
+                assert f"{value:g}" in guide or f"{value:.1e}" in guide, \
+                    f"{bar['label']}: {value} is not in the guide's table"
+    assert {bar["who"] for panel in panels for bar in panel["bars"]} == {"memguard", "peer"}
+    out = plot.draw(panels, source, str(tmp_path / "benchmarks.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
