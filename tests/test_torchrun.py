@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from budget import free_port
+from budget import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -279,3 +279,41 @@ def test_two_nodes_on_one_machine_recover_an_oom_on_the_second_node_with_equal_w
         for got, want, single in zip(result["weights"], reference, alone, strict=True):
             assert (torch.tensor(got) - want).abs().max().item() <= 1e-6
             assert (torch.tensor(got) - single).abs().max().item() <= 1e-6
+
+
+NODE_LOCAL_FILES = """
+import tempfile
+import torch, torch.distributed as dist
+import memguard
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+
+def step(batch_size):
+    if batch_size > 40:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+# each rank's own file, as a path on each node's local disk is; only rank 0's node has
+# searched before
+sizes = os.path.join(tempfile.mkdtemp(), "sizes.json")
+search = dict(start=8, max_batch_size=64, margin=0.0, cache=sizes)
+if rank == 0:
+    memguard.find_batch_size(step, sync=False, **search)
+found = memguard.find_batch_size(step, **search)
+# what training does next: a collective of its own, which a rank still searching would eat
+total = torch.tensor([float(found)])
+dist.all_reduce(total)
+dist.destroy_process_group()
+print(json.dumps({"found": int(found), "trials": len(found.history),
+                  "total": total.item()}))
+"""
+
+
+def test_find_batch_size_searches_on_every_rank_when_one_rank_has_no_stored_size() -> None:
+    """Size files on each node's own disk: a rank that finds a stored size must not go on
+    alone while a peer that found none searches (its trials' agreements would meet the
+    training's collectives)."""
+    outputs = run_ranks(NODE_LOCAL_FILES, world=2, timeout=120)
+    assert [out["found"] for out in outputs] == [40, 40], outputs
+    assert all(out["trials"] > 5 for out in outputs), outputs  # both searched
+    assert all(out["total"] == 80.0 for out in outputs), outputs

@@ -22,10 +22,10 @@ def main(out: str, plan: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from common import batch, environment, make_model, write_result
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import memguard
-    from common import batch, environment, make_model, write_result
 
     torch.set_num_threads(1)
     env = environment()

@@ -22,9 +22,9 @@ def main(mode: str, out: str, sizes: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from common import batch, environment, make_model, write_result
 
     import memguard
-    from common import batch, environment, make_model, write_result
 
     torch.set_num_threads(1)
     env = environment()
