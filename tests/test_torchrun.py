@@ -88,20 +88,20 @@ class Launchers:
 
     def pids(self) -> set[int]:
         """Every process of this test still alive: the workers' pid files, and any process
-        whose environment carries the token (a worker killed before it wrote its pid)."""
+        whose environment carries the token (a worker killed before it wrote its pid).
+        Each carries the token, so a pid reused by another process is never named."""
         pids = {int(path.name) for path in (self.out / "pids").glob("*")
                 if path.name.isdigit()}
-        marker = f"{TOKEN_VARIABLE}={self.token}".encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if marker in f.read().split(b"\0"):
-                        pids.add(int(entry))
-            except OSError:  # gone, or not ours to read
-                continue
-        return {pid for pid in pids if pid != os.getpid() and _alive(pid)}
+        pids.update(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+        return {pid for pid in pids
+                if pid != os.getpid() and self._carries_token(pid) and _alive(pid)}
+
+    def _carries_token(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f"{TOKEN_VARIABLE}={self.token}".encode() in f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            return False
 
     def end(self) -> None:
         """Kill every launcher's process group, then every worker by pid, and reap."""
@@ -157,6 +157,11 @@ def size_entries(path: Path, kind: str) -> list[int]:
     return [size for key, size in sizes.items() if key.startswith(kind + " ")]
 
 
+def restarted(results: dict[str, dict]) -> list[dict]:
+    """What the ranks of every restarted group wrote."""
+    return [data for name, data in results.items() if not name.startswith("run0-")]
+
+
 ELASTIC = ["--nnodes=1", "--nproc_per_node=2", "--max-restarts=2", "--monitor-interval=0.5",
            "--rdzv-backend=c10d"]
 # torch.distributed.run shares its rendezvous store with the workers by default, and a
@@ -174,7 +179,7 @@ def test_a_restart_after_an_exhausted_ladder_starts_every_rank_at_the_remembered
                      str(sizes)], **NO_SHARED_STORE)
     assert launchers.wait() == [0], launchers.tails()
     results = launchers.results()
-    assert sorted(results) == ["run0-rank0", "run0-rank1", "run1-rank0", "run1-rank1"], (
+    assert {"run0-rank0", "run0-rank1", "run1-rank0", "run1-rank1"} <= set(results), (
         launchers.tails())
     first = [results["run0-rank0"], results["run0-rank1"]]
     # the first run: 64 fails on both ranks, 32 fits; at the next step rank 1, holding more,
@@ -184,9 +189,9 @@ def test_a_restart_after_an_exhausted_ladder_starts_every_rank_at_the_remembered
                                         "memory at every batch_size tried: 32 ("), first[1]
     assert "another rank ran out of memory at its smallest size" in first[0]["error"], first[0]
     # the restarted group: every step of every rank at the remembered size, in one attempt
-    for rank in (0, 1):
-        again = results[f"run1-rank{rank}"]
-        assert again["torchelastic_restart_count"] == 1 and again["error"] is None, again
+    # (a later restart, after a worker that aborted in gloo's teardown, starts there too)
+    for again in restarted(results):
+        assert again["error"] is None, again
         assert again["steps"] == [[[32, True]]] * 3, again
     assert size_entries(sizes, "oom_retry") == [32]  # one entry, shared by both ranks
     assert not ended_by_themselves(launchers)
@@ -204,9 +209,8 @@ def test_a_restart_reuses_the_size_find_batch_size_found(launchers: Launchers) -
     hungry = results["run0-rank1"]
     assert hungry["found"] == 40 and hungry["found_trials"] > 5, hungry
     assert "CUDA out of memory" in hungry["error"], hungry
-    assert "run2-rank0" not in results and "run2-rank1" not in results
-    for rank in (0, 1):
-        again = results[f"run1-rank{rank}"]
+    assert {"run1-rank0", "run1-rank1"} <= set(results), launchers.tails()
+    for again in restarted(results):
         assert again["error"] is None, again
         assert again["found"] == 40 and again["found_trials"] == 0, again  # no trial at all
         assert again["steps"] == [[[40, True]]] * 3, again

@@ -82,6 +82,7 @@ def main(mode: str, out: str, sizes: str) -> None:
         raise
     finally:
         write_result(out, f"run{run}-rank{rank}", result)
+    dist.barrier()  # no rank tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 
