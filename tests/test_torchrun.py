@@ -4,7 +4,7 @@ rendezvous on the loopback) training DDP with ``auto_microbatch`` while one rank
 second node runs out of memory.
 
 The out-of-memory errors are CUDA-style errors raised from inside a real model's forward or
-backward (tests/torchrun_scripts/common.py) once a batch exceeds a simulated device's
+backward (tests/torchrun_scripts/torchrun_common.py) once a batch exceeds a simulated device's
 capacity, so that a size ladder is exhausted at the same step of every run.
 
 ``torch.distributed.run`` starts each worker in a session of its own, which outlives a kill
@@ -242,7 +242,7 @@ def _two_nodes(launchers: Launchers, plan: str) -> dict[int, dict]:
 
 
 def _common() -> object:
-    spec = importlib.util.spec_from_file_location("torchrun_common", SCRIPTS / "common.py")
+    spec = importlib.util.spec_from_file_location("torchrun_common", SCRIPTS / "torchrun_common.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

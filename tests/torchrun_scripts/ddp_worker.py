@@ -16,14 +16,14 @@ PLAN = ["backward", "backward", "forward"]
 
 
 def main(out: str, plan: str) -> None:
-    from common import record_pid
+    from torchrun_common import record_pid
 
     record_pid(out)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from common import batch, environment, make_model, write_result
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torchrun_common import batch, environment, make_model, write_result
 
     import memguard
 

@@ -16,13 +16,13 @@ LEAK = 20  # samples' worth rank 1 leaks at each step of the first run
 
 
 def main(mode: str, out: str, sizes: str) -> None:
-    from common import record_pid
+    from torchrun_common import record_pid
 
     record_pid(out)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from common import batch, environment, make_model, write_result
+    from torchrun_common import batch, environment, make_model, write_result
 
     import memguard
 
