@@ -288,7 +288,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                    max_attempts=max_attempts)
     file = SizeFile(cache) if isinstance(cache, str) else None
     stored = _FOUND.get(key) if cache is True else file.get(key) if file is not None else None
-    if stored is not None and stored >= start:
+    if cache is not False and _every_rank_has(stored is not None and stored >= start, policy):
+        assert stored is not None
         found = stored if max_batch_size is None else min(stored, max_batch_size)
         log.info("%s: %d from the size cache", who, found)
         return BatchSize(_finish(found, margin, policy), [])
@@ -317,6 +318,15 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     found = _finish(search.good, margin, policy)
     log.info("%s found %d after %d trials", who, found, len(search.attempts))
     return BatchSize(found, search.attempts)
+
+
+def _every_rank_has(stored: bool, policy: Policy) -> bool:
+    """Whether every rank has a stored size (``stored`` on this one): if one has none, all
+    search, since a rank that went on alone would leave its peers' trials waiting on it
+    (size files on each node's own disk, a rank whose key differs)."""
+    from .distributed import Agreement
+
+    return Agreement(policy.sync).all_max([0 if stored else 1]) == [0]
 
 
 def _finish(good: int, margin: float, policy: Policy) -> int:
