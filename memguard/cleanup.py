@@ -65,12 +65,14 @@ def settler_for(cleanup: Cleanup, adaptive: bool = False) -> Optional["Settler"]
     return None if cleanup == "never" else Settler(cleanup, adaptive=adaptive)
 
 
-def read_all(pairs: Pairs) -> Readings:
-    """Fast ``(allocated, reserved)`` readings of every ``(backend, device)`` pair."""
+def read_all(pairs: Pairs, kind: str = "in use") -> Readings:
+    """Fast ``(allocated, reserved)`` readings of every ``(backend, device)`` pair; ``kind``
+    ``"resident"`` takes the host's resident set for both (see ``HostBackend.quick_kind``):
+    readings are compared only with readings of their own kind."""
     out: Readings = {}
     for backend, device in pairs:
         try:
-            out[device] = backend.read_fast(device)
+            out[device] = backend.read_fast_as(kind, device)
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
             log.warning("cannot read %s: %s", device, exc)
             out[device] = UNKNOWN
@@ -220,27 +222,28 @@ class Settler:
         self._cache = _Backoff()
         self._cache_last = False
 
-    def settle(self, pairs: Pairs, entry: Readings) -> Outcome:
-        """Clean up after a block that began with ``entry`` readings."""
-        now = read_all(pairs)
+    def settle(self, pairs: Pairs, entry: Readings, kind: str = "in use") -> Outcome:
+        """Clean up after a block that began with ``entry`` readings (of ``kind``, see
+        :func:`read_all`)."""
+        now = read_all(pairs, kind)
         if self.cleanup == "always":
             gc.collect()
             empty_caches(b for b, _ in pairs)
-            after = read_all(pairs)
+            after = read_all(pairs, kind)
             return Outcome(released(now, after), True, after)
         start, collected = now, False
         held = self._held(pairs, now, entry)
         if held and self._gc_ready():
-            now = self._collect(pairs, held, entry)
+            now = self._collect(pairs, held, entry, kind)
             collected = True
         swollen = self._swollen(pairs, now, entry)
         if swollen and (collected or self._cache_ready(swollen)):
             empty_caches(swollen)
-            now = read_all(pairs)
+            now = read_all(pairs, kind)
             if not collected and self._swollen(pairs, now, entry) and self._gc_ready():
-                now = self._collect(pairs, [d for b, d in pairs if b in swollen], entry)
+                now = self._collect(pairs, [d for b, d in pairs if b in swollen], entry, kind)
                 empty_caches(swollen)
-                now = read_all(pairs)
+                now = read_all(pairs, kind)
                 collected = True
         elif not swollen:
             self._cache_last = False
@@ -271,13 +274,13 @@ class Settler:
         self._cache_last = True
         return True
 
-    def _collect(self, pairs: Pairs, held: list[str], entry: Readings) -> Readings:
+    def _collect(self, pairs: Pairs, held: list[str], entry: Readings, kind: str) -> Readings:
         gc.collect(1)
-        now = read_all(pairs)
+        now = read_all(pairs, kind)
         still = [d for d in self._held(pairs, now, entry) if d in held]
         if still:
             gc.collect()
-            now = read_all(pairs)
+            now = read_all(pairs, kind)
             still = [d for d in self._held(pairs, now, entry) if d in held]
         if self.adaptive:
             (self._gc.useless if still else self._gc.useful)()

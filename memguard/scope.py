@@ -489,6 +489,7 @@ class _FreesMemory:
         self.lock = ForkSafeLock(reentrant=True)
         self.calls = 0
         self.baseline: Readings = {}
+        self.baseline_kind = "in use"  # what the baseline's readings are (read_all's kind)
         # Calls of this function running in the current thread or asyncio task: a recursive
         # call sees the outer one's and leaves the cleanup to it. Generators do not count:
         # their bodies run in whichever context steps them and may stay suspended for ever.
@@ -503,7 +504,7 @@ class _FreesMemory:
 class _Call:
     """One call of a ``@frees_memory`` function: its depth and its own entry readings."""
 
-    __slots__ = ("shared", "depth", "pairs", "entry", "tensors", "census")
+    __slots__ = ("shared", "depth", "pairs", "entry", "tensors", "census", "kind")
 
     def __init__(self, shared: _FreesMemory) -> None:
         self.shared = shared
@@ -512,6 +513,7 @@ class _Call:
         self.entry: Readings = {}
         self.tensors: dict[int, Any] = {}
         self.census = False  # tensors recorded on entry
+        self.kind = "in use"  # the readings' kind: the resident set where mallinfo2 is slow
 
     def __enter__(self) -> None:
         counter = self.shared.depth
@@ -525,7 +527,11 @@ class _Call:
             self.census = self.shared.track_tensors or _census_needed(self.shared.max_leak)
             if self.census:
                 self.tensors = tensor_ids()
-            self.entry = read_all(self.pairs)
+            if self.shared.max_leak is None and not self.shared.track_tensors:
+                from .backends import host  # no verdict rests on it: the cheap reading
+
+                self.kind = host.quick_kind()
+            self.entry = read_all(self.pairs, self.kind)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         shared = self.shared
@@ -539,17 +545,18 @@ class _Call:
             if shared.calls % shared.every:
                 return
             try:
+                baseline = shared.baseline if shared.baseline_kind == self.kind else {}
                 if shared.settler is None:  # cleanup="never": measure only
-                    after = read_all(self.pairs)
+                    after = read_all(self.pairs, self.kind)
                 else:
-                    after = shared.settler.settle(self.pairs,
-                                                  _lower(self.entry, shared.baseline)).after
+                    after = shared.settler.settle(self.pairs, _lower(self.entry, baseline),
+                                                  self.kind).after
             except Exception:
                 if exc_type is None:
                     raise
                 log.exception("cleanup after %s failed while it raised", shared.what)
                 return
-            shared.baseline = after
+            shared.baseline, shared.baseline_kind = after, self.kind
         if not judged or (shared.max_leak is None and not shared.track_tensors):
             return
         limit = shared.max_leak

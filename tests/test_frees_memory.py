@@ -284,3 +284,52 @@ def test_inputs_allocated_before_the_call_and_caught_in_its_cycle_are_freed():
     for _ in range(10):
         step(torch.ones(40 * MiB // 4))
     assert host.malloc_in_use() - start < 90 * MiB  # bare: 400 MB
+
+
+def test_on_a_fragmented_heap_the_auto_check_reads_the_resident_set_and_verdicts_stay_exact(
+        python_in_subprocess):
+    # mallinfo2 walks every free block (milliseconds on 10,000 of them): without max_leak the
+    # check after each call reads the resident set instead and still frees a cycle; with
+    # max_leak the verdict still rests on what malloc hands out
+    out = python_in_subprocess("""
+        import gc, json
+        import torch
+        import memguard
+        from memguard.backends import host
+        keep = [torch.ones(100 + i % 50) for i in range(20000)]
+        del keep[::2]  # free blocks between live ones
+        host.read_fast_as("in use")  # one slow reading: the cheap one stands in from now
+
+        @memguard.frees_memory
+        def step():
+            out = torch.ones(50_000, 1024)  # 200 MB, left in a cycle
+            holder = [out]
+            holder.append(holder)
+
+        walks = []
+        walk = host.malloc_in_use
+        host.malloc_in_use = lambda: walks.append(1) or walk()  # count mallinfo2's walks
+        gc.disable()
+        rss = host.rss()
+        step()
+        kept = host.rss() - rss
+        kind, step_walks = host.quick_kind(), len(walks)
+        LEAKED = []
+
+        @memguard.frees_memory(max_leak="16MiB", warmup=0)
+        def leaky():
+            LEAKED.append(torch.ones(16 * 2**20))  # 64 MiB kept
+
+        try:
+            leaky()  # the first call is judged too
+            verdict = None
+        except memguard.MemoryLeakError as err:
+            verdict = str(err)
+        print(json.dumps({"kept": kept, "kind": kind, "verdict": verdict,
+                          "step_walks": step_walks, "leaky_walks": len(walks) - step_walks}))
+    """)
+    assert out["kind"] == "resident", out
+    assert out["step_walks"] == 0, out  # no verdict: the cheap reading alone
+    assert out["leaky_walks"] > 0, out  # a verdict: what malloc hands out
+    assert out["kept"] < 30 * MiB, out
+    assert out["verdict"] and "above max_leak=16.0 MiB" in out["verdict"], out

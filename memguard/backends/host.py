@@ -165,25 +165,33 @@ class HostBackend(Backend):
         used = self.malloc_in_use()
         return self.rss() if used is None else used
 
-    def read_quick(self, device: str = HOST) -> tuple[str, Optional[int]]:
-        """What malloc hands out, or the resident set while ``mallinfo2`` is slow.
+    def quick_kind(self) -> str:
+        """The reading a check on every call takes now: ``"in use"`` (``mallinfo2``), or
+        ``"resident"`` (the resident set) for :data:`MALLINFO_PAUSE` seconds after a
+        ``mallinfo2`` slower than :data:`SLOW_MALLINFO`.
 
         ``mallinfo2`` walks every free block of the heap: microseconds on a fresh heap, but
         about 2 ms on one holding 10,000 free blocks between live ones (a long-running
-        server's), which a check on every call cannot afford. After a reading slower than
-        :data:`SLOW_MALLINFO`, the resident set stands in for :data:`MALLINFO_PAUSE`
-        seconds (a few microseconds to read; it grows when the block keeps new memory,
-        and also when the heap merely grew, which then costs one needless cleanup)."""
-        now = time.monotonic()
-        if now < self._quick_rss_until:
-            return "resident", self.rss()
+        server's), which a check on every call cannot afford. The resident set takes a few
+        microseconds to read; it grows when a block keeps new memory, and also when the heap
+        merely grew, which then costs one needless cleanup."""
+        return "resident" if time.monotonic() < self._quick_rss_until else "in use"
+
+    def read_fast_as(self, kind: str, device: str = HOST) -> Reading:
+        if kind == "resident":
+            rss = self.rss()
+            return Reading(rss, rss)
         start = time.perf_counter()
-        used = self.malloc_in_use()
-        if used is None:
-            return "resident", self.rss()
+        reading = self.read_fast(device)
         if time.perf_counter() - start > SLOW_MALLINFO:
-            self._quick_rss_until = now + MALLINFO_PAUSE
-        return "in use", used
+            self._quick_rss_until = time.monotonic() + MALLINFO_PAUSE
+        return reading
+
+    def read_quick(self, device: str = HOST) -> tuple[str, Optional[int]]:
+        """What malloc hands out, or the resident set while ``mallinfo2`` is slow
+        (:meth:`quick_kind`)."""
+        kind = self.quick_kind()
+        return kind, self.read_fast_as(kind, device).allocated
 
     def read_peak(self, device: str = HOST) -> Optional[int]:
         rss = self.rss()
