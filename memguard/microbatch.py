@@ -185,6 +185,14 @@ class _Step(Loop):
         self.entry: list[Any] = []
         self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
         self.ddp = training.ddp_of(cfg.model)
+        hooks = training.comm_hooks(self.ddp)
+        if hooks:
+            raise NotImplementedError(
+                f"auto_microbatch: {cfg.name}'s DDP model has a communication hook registered "
+                f"({', '.join(hooks)}); auto_microbatch keeps gradients local while its slices "
+                f"run and averages them itself once per step, which would skip the hook "
+                f"silently. Register no hook on a model auto_microbatch steps, or step it "
+                f"without auto_microbatch")
         world = torch_distributed.world()
         if self.ddp is not None and self.agreement.active and world is not None \
                 and training.group_size(self.ddp) != world[1]:

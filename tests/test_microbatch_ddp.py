@@ -173,3 +173,29 @@ def test_an_fsdp_model_is_warned_about_and_still_trains(python_in_subprocess):
     """)
     assert out["loss"] and len(out["warnings"]) == 1
     assert "sharded with FSDP" in out["warnings"][0]
+
+
+def test_a_ddp_communication_hook_is_refused_by_name(python_in_subprocess):
+    # auto_microbatch averages a DDP model's gradients itself, once per step: a hook
+    # registered with register_comm_hook (fp16 compression, PowerSGD) would be skipped
+    out = python_in_subprocess(f"""
+        import json, os
+        import torch, torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        import memguard
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        plain = memguard.auto_microbatch(model)(lambda b: model(b).sum())
+        plain(torch.ones(8, 4))  # no hook: trains
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        step = memguard.auto_microbatch(model)(lambda b: model(b).sum())
+        try:
+            step(torch.ones(8, 4))
+            error = None
+        except NotImplementedError as err:
+            error = str(err)
+        dist.destroy_process_group()
+        print(json.dumps({{"error": error}}))
+    """)
+    assert out["error"] and "communication hook registered (fp16_compress_hook)" in out["error"]

@@ -270,6 +270,14 @@ def ddp_of(model: Any) -> Optional[Any]:
     return model if isinstance(model, ddp) else None
 
 
+def comm_hooks(ddp: Any) -> list[str]:
+    """The names of the communication hooks registered on a ``DistributedDataParallel``
+    model with ``register_comm_hook`` (fp16 compression, PowerSGD...); empty for none or for
+    ``None``."""
+    hooks = getattr(ddp, "_comm_hooks", None) or []  # where DDP keeps them
+    return [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
+
+
 def sharded(model: Any) -> bool:
     """Whether ``model`` is (or holds) an FSDP module, whose collectives run inside forward
     and backward."""
