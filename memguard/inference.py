@@ -36,13 +36,16 @@ def _devices() -> Pairs:
     return pairs
 
 
-def _in_use(pairs: Pairs) -> InUse:
+def _in_use(pairs: Pairs, like: Optional[InUse] = None) -> InUse:
     """Each device's quick reading, ``(kind, bytes)``: what its allocator has handed out, or
-    on a slow host heap the resident set (bytes ``None`` where unknown)."""
+    on a slow host heap the resident set (bytes ``None`` where unknown); with ``like``, of
+    the kinds those readings had, so that they compare (``mallinfo2`` found slow inside the
+    block must not leave the exit's reading of another kind than the entry's)."""
     out: InUse = []
-    for backend, device in pairs:
+    for index, (backend, device) in enumerate(pairs):
         try:
-            out.append(backend.read_quick(device))
+            kind = like[index][0] or None if like is not None else None
+            out.append(backend.read_quick(device, kind))
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
             log.warning("cannot read %s: %s", device, exc)
             out.append(("", None))
@@ -63,11 +66,12 @@ def _settle_kept(pairs: Pairs, entry: InUse) -> None:
     tolerance in use, collect the young generations, then in full if that did not free it,
     and empty the caches of the devices that had held it. A cache that merely grew (the
     forward's activations freed into it) is left to the next forward, which reuses it."""
-    held = _held(pairs, entry, _in_use(pairs))
+    held = _held(pairs, entry, _in_use(pairs, entry))
     if not held:
         return
     gc.collect(1)
-    still = _held(held, [entry[pairs.index(p)] for p in held], _in_use(held))
+    held_entry = [entry[pairs.index(p)] for p in held]
+    still = _held(held, held_entry, _in_use(held, held_entry))
     if still:
         gc.collect()
     empty_caches(backend for backend, _ in held)

@@ -167,10 +167,11 @@ class Backend(abc.ABC):
         :meth:`read_fast` (on the host: ``mallinfo2`` without the resident set)."""
         return self.in_use(self.read_fast(device))
 
-    def read_quick(self, device: str) -> tuple[str, Optional[int]]:
+    def read_quick(self, device: str, kind: Optional[str] = None) -> tuple[str, Optional[int]]:
         """A level to compare with another of the same kind, for a decision taken on every
         call (``inference_mode``'s cleanup): ``(kind, bytes)``, where two readings of
-        different kinds are not comparable. By default :meth:`read_in_use`."""
+        different kinds are not comparable; ``kind`` asks for a reading of that kind (the
+        one a first reading had). By default :meth:`read_in_use`."""
         return "in use", self.read_in_use(device)
 
     def read_fast_as(self, kind: str, device: str) -> Reading:

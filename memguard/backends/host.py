@@ -187,10 +187,11 @@ class HostBackend(Backend):
             self._quick_rss_until = time.monotonic() + MALLINFO_PAUSE
         return reading
 
-    def read_quick(self, device: str = HOST) -> tuple[str, Optional[int]]:
+    def read_quick(self, device: str = HOST,
+                   kind: Optional[str] = None) -> tuple[str, Optional[int]]:
         """What malloc hands out, or the resident set while ``mallinfo2`` is slow
-        (:meth:`quick_kind`)."""
-        kind = self.quick_kind()
+        (:meth:`quick_kind`); ``kind`` asks for that kind whatever the speed."""
+        kind = kind or self.quick_kind()
         return kind, self.read_fast_as(kind, device).allocated
 
     def read_peak(self, device: str = HOST) -> Optional[int]:
