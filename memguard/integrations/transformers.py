@@ -2,13 +2,14 @@
 "memguard[transformers]"``).
 
 >>> from transformers import Trainer                                        # doctest: +SKIP
->>> from memguard.integrations.transformers import MemguardCallback, auto_microbatch  # doctest: +SKIP
->>> trainer = auto_microbatch(Trainer(model, args, train_dataset=data,      # doctest: +SKIP
-...                                   callbacks=[MemguardCallback()]))
+>>> from memguard.integrations import transformers as mg                  # doctest: +SKIP
+>>> trainer = mg.auto_microbatch(Trainer(model, args, train_dataset=data,   # doctest: +SKIP
+...                                      callbacks=[mg.MemguardCallback()]))
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import types
@@ -24,6 +25,8 @@ try:
     from transformers import TrainerCallback as _TrainerCallback
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
+
+log = logging.getLogger("memguard")
 
 
 class MemguardCallback(CallbackBase, _TrainerCallback):
@@ -283,6 +286,7 @@ class MicrobatchedTrainingStep:
         self._steps: dict[str, tuple[Any, Any]] = {}  # reduction -> (model ref, step)
         self._last: Optional[Any] = None
         self._checked = False
+        self._warned = False
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -324,6 +328,16 @@ class MicrobatchedTrainingStep:
         self._last = step
         divisor = trainer.accelerator.gradient_accumulation_steps
         total = step(inputs, model, num_items_in_batch, args, kwargs)
+        if reduction == "sum" and not self._warned and len(step.history) > 1 \
+                and trainer.loss_is_scaled_for_ga is None \
+                and type(trainer).compute_loss is not _transformers.Trainer.compute_loss:
+            self._warned = True
+            log.warning("auto_microbatch(trainer): %s overrides compute_loss and the batch "
+                        "was split; its slices' losses are added, as the Trainer takes a "
+                        "loss given num_items_in_batch to be normalised by it. A "
+                        "compute_loss that ignores num_items_in_batch must say so with "
+                        "loss_is_scaled_for_ga = False (then slices are weighted by "
+                        "tokens), or the split step is not exact", type(trainer).__name__)
         return total * divisor if divisor != 1 else total
 
     def _step(self, trainer: Any, model: Any, reduction: str) -> Any:
@@ -374,7 +388,7 @@ class MicrobatchedTrainingStep:
 
 def _refuse_unsupported(trainer: Any) -> None:
     """A clear error for the set-ups whose backward memguard cannot run slice by slice."""
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
     kind = trainer.accelerator.distributed_type
     if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -391,7 +405,7 @@ def _default_weight(trainer: Any) -> Callable[[Any], Any]:
     """What a loss averages over when the Trainer passes no ``num_items_in_batch``: the
     labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
     Trainer counts), or the samples of a batch without labels."""
-    shifts = bool(getattr(trainer, "_loss_shifts_labels", False))
+    shifts = bool(getattr(trainer, "_loss_shifts_labels", False)) or _causal_loss(trainer)
 
     def weight(batch: Any) -> Any:
         if not hasattr(batch, "keys"):
@@ -406,6 +420,20 @@ def _default_weight(trainer: Any) -> Callable[[Any], Any]:
         return _length(batch)
 
     return weight
+
+
+def _causal_loss(trainer: Any) -> bool:
+    """Whether the model's own loss is a causal LM's, which shifts the labels (the Trainer's
+    ``_loss_shifts_labels`` looks at ``config.loss_type`` only, unset on many configs)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        config = getattr(model, "config", None)
+        return (getattr(model, "loss_function", None) is ForCausalLMLoss
+                and not getattr(config, "is_encoder_decoder", False))
+    except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
+        return False
 
 
 def _length(batch: Any) -> int:
