@@ -230,3 +230,71 @@ def test_a_step_that_fits_is_left_whole_and_bad_arguments_are_named(tmp_path):
 def test_the_smallest_slice_failing_too_ends_train_with_the_error(tmp_path):
     with pytest.raises(memguard.OutOfMemoryError):
         trained(tmp_path, limit=0, options={"min_batch_size": 2})
+
+
+# -- a real budget ----------------------------------------------------------------------------
+BUDGETED = """
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import warnings; warnings.filterwarnings("ignore")
+import tempfile, torch, transformers
+from memguard.integrations.transformers import auto_microbatch
+torch.set_num_threads(1)
+
+class Padded(torch.utils.data.Dataset):
+    def __init__(self, n, length):
+        self.n, self.length = n, length
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 2000, (self.length,), generator=g)
+        used = 8 + (i * 7) % (self.length - 8)
+        labels = ids.clone()
+        labels[used:] = -100
+        mask = torch.zeros(self.length, dtype=torch.long)
+        mask[:used] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+def model():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=2000, n_positions=64, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+def trainer(batch, steps, accumulate=1):
+    args = transformers.TrainingArguments(
+        tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulate, learning_rate=0.1, optim="sgd",
+        lr_scheduler_type="constant", report_to=[], save_strategy="no",
+        logging_strategy="steps", logging_steps=1, disable_tqdm=True, use_cpu=True, seed=0,
+        data_seed=0)
+    return transformers.Trainer(model=model(), args=args,
+                                train_dataset=Padded(batch * steps * accumulate, 64))
+
+trainer(4, 1).train()  # warm up
+set_budget(150)  # logits and their gradients of 128 x 64 x 2000 floats do not fit
+guarded = auto_microbatch(trainer(128, 4, accumulate=2))
+guarded.train()
+lift_budget()
+reference = trainer(128, 4, accumulate=2)
+reference.train()
+distance = max((p - q).abs().max().item() for p, q in
+               zip(guarded.model.parameters(), reference.model.parameters()))
+print(json.dumps({
+    "steps": guarded.state.global_step, "distance": distance,
+    "size": guarded.training_step.microbatch_size,
+    "logged": [e.get("memory/microbatch_size") for e in guarded.state.log_history
+               if "loss" in e]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_real_budget_the_batch_does_not_fit_trains_every_step(python_in_subprocess):
+    from budget import ENV, script
+
+    out = python_in_subprocess(script(BUDGETED), timeout=300, env=ENV)
+    assert out["steps"] == 4
+    logged = out["logged"]  # the slice size of each logged step: split, never larger
+    assert len(logged) == 4 and all(size < 128 for size in logged)
+    assert logged[-1] == out["size"] and logged == sorted(logged, reverse=True)
+    assert out["distance"] < 1e-5
