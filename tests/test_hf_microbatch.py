@@ -10,6 +10,7 @@ out of memory.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import memguard  # noqa: E402
 from memguard.integrations.transformers import MemguardCallback, auto_microbatch  # noqa: E402
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(memguard.__file__).resolve().parents[1]
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.78 GiB total capacity)"
 
 
@@ -298,3 +300,39 @@ def test_a_real_budget_the_batch_does_not_fit_trains_every_step(python_in_subpro
     assert len(logged) == 4 and all(size < 128 for size in logged)
     assert logged[-1] == out["size"] and logged == sorted(logged, reverse=True)
     assert out["distance"] < 1e-5
+
+
+# -- DDP under torch.distributed.run ----------------------------------------------------------
+@pytest.fixture
+def launchers(tmp_path):
+    import test_torchrun as torchrun_tools  # its Launchers kill every worker by pid
+
+    started = torchrun_tools.Launchers(tmp_path)
+    try:
+        yield started
+    finally:
+        started.end()
+
+
+@pytest.mark.slow
+def test_ddp_one_rank_alone_runs_out_of_memory(launchers):
+    import test_torchrun as torchrun_tools
+    from budget import free_port
+
+    script = torchrun_tools.SCRIPTS / "hf_worker.py"
+    launchers.start(["--nnodes=1", "--nproc_per_node=2", f"--master-port={free_port()}",
+                     str(script), str(launchers.out)],
+                    PYTHONPATH=os.pathsep.join([str(ROOT), str(script.parent.parent)]))
+    assert launchers.wait(deadline=240) == [0], launchers.tails()
+    results = launchers.results()
+    assert set(results) == {"rank0", "rank1"}, launchers.tails()
+    assert results["rank1"]["failures"] == 1 and results["rank0"]["failures"] == 0
+    assert results["rank1"]["size"] == 4 and results["rank0"]["size"] == 8
+    for data in results.values():
+        assert data["steps"] == 3
+    saved = [torch.load(launchers.out / f"rank{r}.pt") for r in (0, 1)]
+    for a, b in zip(saved[0]["guarded"], saved[1]["guarded"], strict=True):
+        assert torch.equal(a, b)  # the ranks end with the same weights
+    for ours, theirs in zip(saved[0]["guarded"], saved[0]["reference"], strict=True):
+        assert (ours - theirs).abs().max().item() < 1e-5  # as if nothing ran out of memory
+    assert not torchrun_tools.ended_by_themselves(launchers)
