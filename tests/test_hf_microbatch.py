@@ -317,6 +317,7 @@ def launchers(tmp_path):
 @pytest.mark.slow
 def test_ddp_one_rank_alone_runs_out_of_memory(launchers):
     import test_torchrun as torchrun_tools
+
     from budget import free_port
 
     script = torchrun_tools.SCRIPTS / "hf_worker.py"

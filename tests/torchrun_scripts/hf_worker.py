@@ -17,7 +17,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from torchrun_common import record_pid  # noqa: E402
+from torchrun_common import record_pid
 
 os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 warnings.filterwarnings("ignore")
