@@ -15,11 +15,12 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import batching, census, guards, integrations, microbatch, oom, restore
+from benchmarks import batching, census, guards, hf_trainer, integrations, microbatch, oom, restore
 from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
-       + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS)
+       + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS
+       + hf_trainer.BENCHMARKS)
 
 
 def machine() -> dict:
@@ -51,10 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a reduced run (under 2 minutes)")
     parser.add_argument("--output", default=os.path.join(ROOT, "benchmarks", "results.json"))
+    parser.add_argument("names", nargs="*",
+                        help="run only the benchmarks whose function name contains one of these")
     args = parser.parse_args(argv)
+    chosen = [b for b in ALL if not args.names or any(n in b.__name__ for n in args.names)]
+    if not chosen:
+        parser.error(f"no benchmark matches {args.names}; the names are "
+                     f"{', '.join(b.__name__ for b in ALL)}")
     started = time.time()
     results: list[Result] = []
-    for bench in ALL:
+    for bench in chosen:
         results.extend(bench(args.quick))
     print(table(results))
     for r in results:

@@ -1,19 +1,23 @@
-"""``MemguardCallback`` for the Hugging Face ``Trainer`` (``pip install
+"""``MemguardCallback`` and ``auto_microbatch`` for the Hugging Face ``Trainer`` (``pip install
 "memguard[transformers]"``).
 
 >>> from transformers import Trainer                                        # doctest: +SKIP
->>> from memguard.integrations.transformers import MemguardCallback         # doctest: +SKIP
->>> trainer = Trainer(model, args, train_dataset=data,                      # doctest: +SKIP
-...                   callbacks=[MemguardCallback()])
+>>> from memguard.integrations import transformers as mg                  # doctest: +SKIP
+>>> trainer = mg.auto_microbatch(Trainer(model, args, train_dataset=data,   # doctest: +SKIP
+...                                      callbacks=[mg.MemguardCallback()]))
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import types
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from ..loop import Attempt
+from ..microbatch import auto_microbatch as _auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, missing
 
 try:
@@ -21,6 +25,8 @@ try:
     from transformers import TrainerCallback as _TrainerCallback
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
+
+log = logging.getLogger("memguard")
 
 
 class MemguardCallback(CallbackBase, _TrainerCallback):
@@ -45,6 +51,12 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     ``train`` closes what the failed one left open and starts the warm-up again. ``scopes``
     holds every finished scope.
 
+    Memory figures join the Trainer's own log entries and never replace them: a step at which
+    both log gives one entry with the loss, ``grad_norm``, the learning rate and the memory
+    figures. The Trainer does not hand itself to its callbacks: give it with ``trainer=`` or
+    :meth:`attach` (:func:`auto_microbatch` attaches the callbacks of the trainer it wraps);
+    otherwise the callback looks for it on the call stack when training begins.
+
     Args:
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
@@ -53,6 +65,8 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
             ``None`` for epochs only.
+        trainer: the ``Trainer`` this callback serves (also :meth:`attach`); ``None``: found
+            when training begins.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
@@ -71,29 +85,77 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     _run_links = ("_trainer",)  # a weak reference, found again at the next train
     _run = "train"
 
+    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
+                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None,
+                 trainer: Any = None) -> None:
+        super().__init__(max_leak=max_leak, track_tensors=track_tensors, cleanup=cleanup,
+                         log_every_n_steps=log_every_n_steps)
+        if trainer is not None:
+            self.attach(trainer)
+
     def _init_state(self) -> None:
         self._trainer: Optional[weakref.ReferenceType] = None
+        self._given = False  # the trainer was given: no looking on the stack
+
+    def attach(self, trainer: Any) -> "MemguardCallback":
+        """Serve ``trainer``: log through its ``log`` (its ``state.log_history`` and every
+        reporter), its entries joined, never replaced. The callback must still be among the
+        trainer's callbacks (``callbacks=[...]`` or ``trainer.add_callback``).
+
+        Args:
+            trainer: a ``transformers.Trainer`` (or a subclass).
+
+        Returns:
+            This callback.
+
+        Raises:
+            TypeError: ``trainer`` is not a ``transformers.Trainer``.
+
+        >>> from memguard.integrations.transformers import MemguardCallback
+        >>> MemguardCallback().attach("a trainer")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: MemguardCallback.attach needs a transformers.Trainer, got str ...
+        """
+        _check_trainer(trainer, "MemguardCallback.attach")
+        self._trainer = weakref.ref(trainer)
+        self._given = True
+        _joiner(trainer)
+        return self
+
+    def _current_trainer(self) -> Optional[Any]:
+        return self._trainer() if self._trainer is not None else None
 
     # -- the Trainer's events ------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._tracker.start_run()
         self._tracker.step = state.global_step
         self._tracker.batch_size = args.per_device_train_batch_size
-        trainer = _calling_trainer()
-        self._trainer = None if trainer is None else weakref.ref(trainer)
+        if not (self._given and self._current_trainer() is not None):
+            trainer = _calling_trainer()
+            self._trainer = None if trainer is None else weakref.ref(trainer)
+            if trainer is not None:
+                _joiner(trainer)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flush(state, control)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flush(state, control)
         self._tracker.begin(TRAIN)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         metrics, error = self._tracker.end(TRAIN)
-        self._log(state, metrics)
+        self._log(state, metrics, control)
         if error is not None:
             raise error
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._flush(state, control)
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._tracker.step_due(state.global_step):
-            self._log(state, self._tracker.step_metrics())
+            self._log(state, self._tracker.step_metrics(), control)
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if VAL not in self._tracker.open:
@@ -104,7 +166,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
         found, error = self._tracker.end(VAL)
         if isinstance(metrics, dict):
             metrics.update(found)  # what evaluate() returns
-        self._log(state, found)
+        self._log(state, found, control)
         if error is not None:
             raise error
 
@@ -112,15 +174,37 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
                    **kwargs: Any) -> None:
         self._tracker.end(VAL)  # a prediction run is not a validation: measured, not logged
 
-    def _log(self, state: Any, metrics: dict[str, float]) -> None:
+    def _log(self, state: Any, metrics: dict[str, float], control: Any = None,
+             join: bool = True) -> None:
+        """Log ``metrics``: joined to the Trainer's own entry when the Trainer is about to log
+        (``control.should_log``), else as an entry of their own through ``Trainer.log``,
+        leaving ``control.should_log`` as it was (``Trainer.log`` clears it, which would
+        drop the Trainer's own entry)."""
         if not metrics:
             return
-        trainer = self._trainer() if self._trainer is not None else None
-        if trainer is not None:
-            trainer.log(dict(metrics))  # log_history and every reporter
-        else:
+        trainer = self._current_trainer()
+        if trainer is None:
             state.log_history.append({**metrics, "epoch": state.epoch,
                                       "step": state.global_step})
+            return
+        should_log = bool(getattr(control, "should_log", False))
+        if should_log and join:
+            _joiner(trainer).pending.update(metrics)  # into the Trainer's entry, next
+            return
+        trainer.log(dict(metrics))  # log_history and every reporter
+        if control is not None:
+            control.should_log = should_log
+
+    def _flush(self, state: Any, control: Any) -> None:
+        """Log on their own the figures that waited for a Trainer entry that never came."""
+        trainer = self._current_trainer()
+        if trainer is None:
+            return
+        join = _joiner(trainer)
+        if join.pending:
+            pending = dict(join.pending)
+            join.pending.clear()
+            self._log(state, pending, control, join=False)
 
 
 def _calling_trainer() -> Optional[Any]:
@@ -135,3 +219,293 @@ def _calling_trainer() -> Optional[Any]:
             return owner
         frame = frame.f_back
     return None
+
+
+def _check_trainer(trainer: Any, who: str) -> None:
+    if not isinstance(trainer, _transformers.Trainer):
+        raise TypeError(f"{who} needs a transformers.Trainer, got {type(trainer).__name__} "
+                        f"({trainer!r:.60}): pass the Trainer instance itself")
+
+
+class _LogJoin:
+    """What memguard adds to one Trainer's log entries: ``pending`` figures joined to the
+    next entry, and ``each`` (callables giving figures) joined to every training entry (one
+    with a ``loss``). Installed once per trainer by wrapping the instance's ``log``."""
+
+    def __init__(self, original: Callable[..., Any]) -> None:
+        self.original = original
+        self.pending: dict[str, float] = {}
+        self.each: dict[str, Callable[[], dict[str, float]]] = {}
+
+    def __call__(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> Any:
+        if isinstance(logs, dict):
+            for key, value in self.pending.items():
+                logs.setdefault(key, value)  # the Trainer's own figures win
+            self.pending.clear()
+            if "loss" in logs:
+                for figures in self.each.values():
+                    for key, value in figures().items():
+                        logs.setdefault(key, value)
+        return self.original(logs, *args, **kwargs)
+
+
+_JOIN_LOCK = threading.Lock()
+
+
+def _joiner(trainer: Any) -> _LogJoin:
+    """The trainer's :class:`_LogJoin`, installed as its ``log`` on first use."""
+    with _JOIN_LOCK:
+        current = trainer.__dict__.get("log")
+        if isinstance(current, _LogJoin):
+            return current
+        join = _LogJoin(trainer.log)
+        trainer.log = join
+        return join
+
+
+class MicrobatchedTrainingStep:
+    """What :func:`auto_microbatch` puts in place of a trainer's ``training_step``: the
+    Trainer's own step, run on slices of the batch after an out-of-memory.
+
+    Attributes:
+        microbatch_size: the slice size of the last step (the whole batch's size when it
+            fitted; ``None`` before the first step).
+        history: the last step's :class:`memguard.Attempt` records (``unit="microbatch"``).
+        original: the trainer's ``training_step`` that runs on each slice.
+
+    >>> from memguard.integrations.transformers import MicrobatchedTrainingStep
+    >>> MicrobatchedTrainingStep.__name__
+    'MicrobatchedTrainingStep'
+    """
+
+    def __init__(self, trainer: Any, original: Callable[..., Any], options: dict[str, Any]
+                 ) -> None:
+        self._trainer = weakref.ref(trainer)
+        self.original = original
+        self._options = options
+        self._steps: dict[str, tuple[Any, Any]] = {}  # reduction -> (model ref, step)
+        self._last: Optional[Any] = None
+        self._checked = False
+        self._warned = False
+
+    # -- statistics ------------------------------------------------------------------------
+    @property
+    def history(self) -> list[Attempt]:
+        """The last step's attempts (empty before the first step)."""
+        return list(self._last.history) if self._last is not None else []
+
+    @property
+    def microbatch_size(self) -> Optional[int]:
+        """The slice size the last step ran at (its batch's size when it fitted whole)."""
+        attempts = self.history
+        return attempts[-1].size if attempts else None
+
+    def reset(self) -> None:
+        """Forget the slice sizes that fitted: the next step starts with the whole batch."""
+        for _, step in self._steps.values():
+            step.reset()
+
+    def figures(self) -> dict[str, float]:
+        """``{"memory/microbatch_size": size}`` for the Trainer's log entries."""
+        size = self.microbatch_size
+        return {} if size is None else {"memory/microbatch_size": size}
+
+    # -- the step --------------------------------------------------------------------------
+    def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
+                 *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer()
+        if trainer is None:  # pragma: no cover - the trainer calls its own step
+            return self.original(model, inputs, num_items_in_batch, *args, **kwargs)
+        if not self._checked:
+            _refuse_unsupported(trainer)
+            self._checked = True
+        scaled = trainer.loss_is_scaled_for_ga
+        if scaled is None:  # as Trainer.training_step decides it
+            scaled = ((trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                      or trainer.compute_loss_func is not None)
+        reduction = self._options.get("reduction") or ("sum" if scaled else "mean")
+        step = self._step(trainer, model, reduction)
+        self._last = step
+        divisor = trainer.accelerator.gradient_accumulation_steps
+        total = step(inputs, model, num_items_in_batch, args, kwargs)
+        if reduction == "sum" and not self._warned and len(step.history) > 1 \
+                and trainer.loss_is_scaled_for_ga is None \
+                and type(trainer).compute_loss is not _transformers.Trainer.compute_loss:
+            self._warned = True
+            log.warning("auto_microbatch(trainer): %s overrides compute_loss and the batch "
+                        "was split; its slices' losses are added, as the Trainer takes a "
+                        "loss given num_items_in_batch to be normalised by it. A "
+                        "compute_loss that ignores num_items_in_batch must say so with "
+                        "loss_is_scaled_for_ga = False (then slices are weighted by "
+                        "tokens), or the split step is not exact", type(trainer).__name__)
+        return total * divisor if divisor != 1 else total
+
+    def _step(self, trainer: Any, model: Any, reduction: str) -> Any:
+        """The microbatched slice function for ``model`` (the Trainer's wrapped model) and
+        ``reduction``, made once per model."""
+        known = self._steps.get(reduction)
+        if known is not None and known[0]() is model:
+            return known[1]
+        options = dict(self._options)
+        options["reduction"] = reduction
+        if reduction == "mean" and options.get("weight") is None:
+            options["weight"] = _default_weight(trainer)
+        if options.get("scaler") is None and getattr(trainer.accelerator, "scaler", None):
+            options["scaler"] = trainer.accelerator.scaler
+        original, accelerator = self.original, trainer.accelerator
+
+        def training_step(piece: Any, model: Any, num_items_in_batch: Any, args: tuple,
+                          kwargs: dict) -> Any:
+            losses: list[Any] = []
+            had = "backward" in accelerator.__dict__
+            before = accelerator.__dict__.get("backward")
+
+            def backward(loss: Any, **_: Any) -> None:
+                losses.append(loss)  # memguard runs backward, weighted, per slice
+
+            accelerator.backward = backward
+            try:
+                original(model, piece, num_items_in_batch, *args, **kwargs)
+            finally:
+                if had:
+                    accelerator.backward = before
+                else:
+                    del accelerator.backward
+            if len(losses) != 1:
+                raise RuntimeError(
+                    f"auto_microbatch(trainer): {type(trainer).__name__}.training_step called "
+                    f"self.accelerator.backward {len(losses)} times for one batch; it must "
+                    f"call it exactly once (memguard runs that backward itself, per slice)")
+            loss = losses[0]
+            divisor = accelerator.gradient_accumulation_steps
+            return loss / divisor if divisor != 1 else loss
+
+        training_step.__name__ = f"{type(trainer).__name__}.training_step"
+        step = _auto_microbatch(model, **options)(training_step)
+        self._steps[reduction] = (weakref.ref(model), step)
+        return step
+
+
+def _refuse_unsupported(trainer: Any) -> None:
+    """A clear error for the set-ups whose backward memguard cannot run slice by slice."""
+    from accelerate.utils import DistributedType  # type: ignore[import-untyped]
+
+    kind = trainer.accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise NotImplementedError(
+            f"auto_microbatch(trainer) does not support {kind}: its engine runs backward "
+            f"itself; use oom_retry around train() instead")
+    if str(trainer.args.optim).lower().endswith(("lomo", "adalomo")):
+        raise NotImplementedError(
+            f"auto_microbatch(trainer) does not support optim={trainer.args.optim!s}: LOMO "
+            f"steps the parameters inside backward")
+
+
+def _default_weight(trainer: Any) -> Callable[[Any], Any]:
+    """What a loss averages over when the Trainer passes no ``num_items_in_batch``: the
+    labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
+    Trainer counts), or the samples of a batch without labels."""
+    shifts = bool(getattr(trainer, "_loss_shifts_labels", False)) or _causal_loss(trainer)
+
+    def weight(batch: Any) -> Any:
+        if not hasattr(batch, "keys"):
+            return _length(batch)
+        if "shift_labels" in batch:
+            return (batch["shift_labels"] != -100).sum()
+        if "labels" in batch and hasattr(batch["labels"], "ne"):
+            labels = batch["labels"]
+            if shifts and labels.dim() > 1:
+                labels = labels[..., 1:]
+            return labels.ne(-100).sum()
+        return _length(batch)
+
+    return weight
+
+
+def _causal_loss(trainer: Any) -> bool:
+    """Whether the model's own loss is a causal LM's, which shifts the labels (the Trainer's
+    ``_loss_shifts_labels`` looks at ``config.loss_type`` only, unset on many configs)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        config = getattr(model, "config", None)
+        return (getattr(model, "loss_function", None) is ForCausalLMLoss
+                and not getattr(config, "is_encoder_decoder", False))
+    except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
+        return False
+
+
+def _length(batch: Any) -> int:
+    from .._slices import plan_batch
+
+    return int(plan_batch(batch).length or 0)
+
+
+def auto_microbatch(trainer: Any, **options: Any) -> Any:
+    """Make a Hugging Face ``Trainer`` redo a batch in slices when it runs out of memory in
+    forward or backward, inside ``train()``: no restart, no lost step, ``state.global_step``
+    as if nothing happened.
+
+    The seam: the instance's ``training_step`` (the Trainer's own, or a subclass's) is
+    replaced by a :class:`MicrobatchedTrainingStep` that runs the original on each slice
+    with ``self.accelerator.backward`` held back: the loss the step hands it (after the
+    Trainer's own gradient-accumulation scaling, with the subclass's ``compute_loss``) is
+    returned to :func:`memguard.auto_microbatch`, which runs backward per slice, weighted,
+    drops a failed pass's gradients, frees memory and redoes the batch smaller. The Trainer
+    still clips, steps, schedules, logs and counts tokens on the whole batch.
+
+    What stays exact: when the Trainer passes ``num_items_in_batch`` (models that accept loss
+    kwargs, or a ``compute_loss_func``), each slice's loss is against the whole batch's
+    count, so the slices' losses add up (``reduction="sum"``); otherwise each slice's loss
+    is weighted by ``weight`` (default: the labels that are not -100, shifted as the
+    Trainer counts them, or samples when the batch has no labels). With
+    ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
+    (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
+    every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
+    gradients are averaged once, where DDP would have. ``MemguardCallback`` s among the
+    trainer's callbacks are attached to it, and every training log entry gets
+    ``memory/microbatch_size`` (the slice size of the last step).
+
+    Args:
+        trainer: a ``transformers.Trainer`` or a subclass, not yet training.
+        **options: :func:`memguard.auto_microbatch`'s (``min_batch_size``, ``factor``,
+            ``max_attempts``, ``on_retry``, ``sync``, ``weight``, ``grow_every``,
+            ``scaler``; ``reduction`` overrides the choice above). ``scaler`` defaults to the
+            accelerator's.
+
+    Returns:
+        The same trainer; ``trainer.training_step.microbatch_size`` and ``.history`` tell
+        what the last step did.
+
+    Raises:
+        TypeError: ``trainer`` is not a ``Trainer``, or an option is unknown or of the wrong
+            type.
+        ValueError: an option's value is invalid.
+        NotImplementedError: at the first step, under DeepSpeed, Megatron-LM or a LOMO
+            optimizer (their backward is not the Trainer's to split).
+        OutOfMemoryError: during ``train()``, when the smallest slice runs out of memory too.
+
+    >>> import transformers                                                   # doctest: +SKIP
+    >>> from memguard.integrations.transformers import auto_microbatch        # doctest: +SKIP
+    >>> trainer = auto_microbatch(transformers.Trainer(model, args,           # doctest: +SKIP
+    ...                                                train_dataset=data), grow_every=50)
+    >>> trainer.train()                                                       # doctest: +SKIP
+    >>> trainer.training_step.microbatch_size                                 # doctest: +SKIP
+    4
+    """
+    _check_trainer(trainer, "auto_microbatch")
+    _auto_microbatch(trainer.model, **options)  # the options, checked now
+    current = trainer.__dict__.get("training_step")
+    original = current.original if isinstance(current, MicrobatchedTrainingStep) \
+        else trainer.training_step
+    step = MicrobatchedTrainingStep(trainer, original, dict(options))
+    trainer.training_step = step
+    _joiner(trainer).each["microbatch"] = step.figures
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, MemguardCallback):
+            callback.attach(trainer)
+    return trainer
+
+
+__all__ = ["MemguardCallback", "MicrobatchedTrainingStep", "auto_microbatch"]
