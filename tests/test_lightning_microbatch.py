@@ -9,7 +9,6 @@ RLIMIT_AS. Every run is compared with the same training that never ran out of me
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("pytorch_lightning")
 
-from memguard import OutOfMemoryError  # noqa: E402
-from memguard.integrations.lightning import MICROBATCH_KEY, MemguardCallback  # noqa: E402
+from memguard import OutOfMemoryError
+from memguard.integrations.lightning import MICROBATCH_KEY, MemguardCallback
 
-from budget import ENV, free_port, script  # noqa: E402
+from budget import ENV, free_port, script
 
 PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -92,7 +91,8 @@ def fit(pl, model, callbacks, batch_size=32, **options):
 
 
 def distance(a, b) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max((p - q).abs().max().item() for p, q in pairs)
 
 
 def pair(pl, limit=None, where="forward", **common):
@@ -172,9 +172,9 @@ def test_manual_optimisation_and_bad_options_are_refused():
     pl = lightning("pytorch_lightning")
     _, model = pair(pl)
     model.automatic_optimization = False
-    with pytest.raises(ValueError, match="automatic_optimization is False.*auto_microbatch"):
+    with pytest.raises(ValueError, match=r"automatic_optimization is False.*auto_microbatch"):
         fit(pl, model, [MemguardCallback(microbatch=True)])
-    with pytest.raises(TypeError, match="unexpected option.*min_size_bytes"):
+    with pytest.raises(TypeError, match=r"unexpected option.*min_size_bytes"):
         MemguardCallback(microbatch=True, min_size_bytes=3)
     with pytest.raises(TypeError, match="pass microbatch=True"):
         MemguardCallback(factor=0.5)
@@ -363,5 +363,5 @@ def test_ddp_with_one_rank_out_of_memory_ends_with_the_reference_weights_and_no_
     assert first["sizes"] == [32] * 4  # rank 0 fits; it waited for rank 1's slices
     assert second["sizes"][:6] == [32, 16, 8, 8, 8, 8] and second["sizes"][6:] == [8] * 12
     for out in (first, second):
-        for got, want in zip(out["weights"], reference[0]["weights"]):
-            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+        for got, want in zip(out["weights"], reference[0]["weights"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5

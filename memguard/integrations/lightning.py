@@ -33,7 +33,7 @@ except ImportError:
     except ImportError:
         raise missing("pytorch-lightning", "lightning", "PyTorch Lightning") from None
 
-import torch  # noqa: E402 - Lightning is installed: so is torch
+import torch
 
 log = logging.getLogger("memguard")
 #: The key of the microbatch size in the module's logged metrics.
@@ -242,7 +242,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
                 loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
             finally:
-                for p, grad in zip(params, entry):
+                for p, grad in zip(params, entry, strict=True):
                     p.grad = grad
             history = step.history
             callback._last_size = history[-1].size if history else None
@@ -268,12 +268,12 @@ class _Carrier(torch.autograd.Function):
     to the parameters, scaled by the gradient that reaches it."""
 
     @staticmethod
-    def forward(ctx: Any, loss: Any, grads: list[Any], *params: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, loss: Any, grads: list[Any], *params: Any) -> Any:
         ctx.grads = grads
         return loss.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> Any:
         grads, ctx.grads = ctx.grads, None  # handed over once: the carrier frees them
         if grads is None:
             raise RuntimeError("the loss MemguardCallback(microbatch=True) returned from "
@@ -286,7 +286,7 @@ class _Carrier(torch.autograd.Function):
 
 def _carrier(loss: Any, params: list[Any], grads: list[Any]) -> Any:
     """``loss`` (detached), carrying ``grads`` into ``params`` at its backward."""
-    used = [(p, g) for p, g in zip(params, grads) if g is not None]
+    used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     if not used:
         return loss
     return _Carrier.apply(loss.detach(), [g for _, g in used], *(p for p, _ in used))
