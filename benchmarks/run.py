@@ -15,11 +15,21 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import batching, census, guards, integrations, microbatch, oom, restore
+from benchmarks import (
+    batching,
+    census,
+    guards,
+    integrations,
+    lightning_microbatch,
+    microbatch,
+    oom,
+    restore,
+)
 from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
-       + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS)
+       + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS
+       + lightning_microbatch.BENCHMARKS)
 
 
 def machine() -> dict:
