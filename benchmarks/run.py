@@ -15,12 +15,22 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import batching, census, guards, hf_trainer, integrations, microbatch, oom, restore
+from benchmarks import (
+    batching,
+    census,
+    guards,
+    hf_trainer,
+    integrations,
+    lightning_microbatch,
+    microbatch,
+    oom,
+    restore,
+)
 from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
        + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS
-       + hf_trainer.BENCHMARKS)
+       + hf_trainer.BENCHMARKS + lightning_microbatch.BENCHMARKS)
 
 
 def machine() -> dict:

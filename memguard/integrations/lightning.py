@@ -3,12 +3,26 @@
 >>> import pytorch_lightning as pl                                      # doctest: +SKIP
 >>> from memguard.integrations.lightning import MemguardCallback        # doctest: +SKIP
 >>> trainer = pl.Trainer(callbacks=[MemguardCallback(max_leak="256MiB")])  # doctest: +SKIP
+
+With ``microbatch=True`` an out-of-memory in ``training_step`` or its backward redoes the batch
+in slices within the same optimizer step. Lightning's automatic optimisation runs
+``training_step``, then ``zero_grad`` (on the first batch of an accumulation window), then
+backward of the returned loss. The callback therefore replaces the module's ``training_step``
+for the run with one that runs :func:`memguard.auto_microbatch` (forward and backward of every
+slice) with the parameters' gradients moved aside, takes the new gradients away, puts the old
+ones back and returns the whole batch's loss as a *carrier*: a tensor whose backward hands the
+new gradients to the parameters. Lightning's ``zero_grad`` then clears what it always clears,
+and its backward (scaled by ``1 / accumulate_grad_batches``, inside DDP's reducer where DDP
+averages) writes exactly what backward of the unsplit loss would have.
 """
 
 from __future__ import annotations
 
+import logging
+import types
 from typing import Any, Optional
 
+from ..microbatch import auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, missing
 
 try:  # the standalone package first: it is what memguard[lightning] installs
@@ -18,6 +32,15 @@ except ImportError:
         import lightning.pytorch as _pl  # type: ignore[no-redef]
     except ImportError:
         raise missing("pytorch-lightning", "lightning", "PyTorch Lightning") from None
+
+import torch
+
+log = logging.getLogger("memguard")
+#: The key of the microbatch size in the module's logged metrics.
+MICROBATCH_KEY = "memory/microbatch_size"
+#: ``auto_microbatch``'s options that ``MemguardCallback(microbatch=True, ...)`` passes on.
+MICROBATCH_OPTIONS = ("min_batch_size", "factor", "max_attempts", "on_retry", "sync",
+                      "reduction", "weight", "grow_every")
 
 
 class MemguardCallback(CallbackBase, _pl.Callback):
@@ -49,27 +72,100 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
             ``None`` for epochs only.
+        microbatch: recover from an out-of-memory inside each training step: the batch is
+            redone in slices within the same optimizer step, with the unsplit step's
+            gradients (see below). Needs automatic optimisation.
+        **options: with ``microbatch=True``, :func:`memguard.auto_microbatch`'s options:
+            ``min_batch_size``, ``factor``, ``max_attempts``, ``on_retry``, ``sync``,
+            ``reduction``, ``weight`` and ``grow_every``.
+
+    With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
+    runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)
+    in ``training_step`` or in backward drops the pass's gradients, frees memory and redoes
+    the same batch in slices along dim 0 (the size that fitted is kept for later batches);
+    the gradients written are those of backward of the whole batch's loss, with
+    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"`` and
+    ``strategy="ddp"`` (ranks agree after every pass on memguard's gloo group, so one rank's
+    out-of-memory hangs no one; DDP averages the gradients once, in Lightning's backward).
+    ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
+    dict's other entries are those of the last slice), a mean over the batch's samples
+    (``reduction="mean"``), a sum (``"sum"``) or a mean over what ``weight`` counts (tokens).
+    Values the step logs with ``self.log`` are logged once per slice. The slice size of
+    each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
+    through the module's ``log``; ``microbatch_size`` holds the size that fitted.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
             ``max_leak``.
         ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (a ``TypeError``
             for one of the wrong type), named with its
-            value.
+            value; with ``microbatch=True``, a module with ``automatic_optimization = False``
+            (at ``fit``: call :func:`memguard.auto_microbatch` in its ``training_step``).
+        TypeError: an option that ``auto_microbatch`` does not take, or options without
+            ``microbatch=True``.
+        OutOfMemoryError: during ``fit``, when the smallest slice runs out of memory too.
 
     >>> from memguard.integrations.lightning import MemguardCallback
     >>> callback = MemguardCallback(max_leak="256MiB", log_every_n_steps=50)
     >>> callback.failures
     []
+    >>> steps = MemguardCallback(microbatch=True, min_batch_size=2, factor=0.5)
+    >>> steps.microbatch_size is None
+    True
     """
 
     _framework = "lightning"
     _run_links = ("log", "log_dict")  # the LightningModule's, attached by Lightning at fit
 
+    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
+                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None, *,
+                 microbatch: bool = False, **options: Any) -> None:
+        super().__init__(max_leak, track_tensors, cleanup, log_every_n_steps)
+        if not isinstance(microbatch, bool):
+            raise TypeError(f"MemguardCallback: microbatch must be True or False, got "
+                            f"{microbatch!r}")
+        unknown = sorted(set(options) - set(MICROBATCH_OPTIONS))
+        if unknown:
+            raise TypeError(f"MemguardCallback got unexpected option(s) {', '.join(unknown)}; "
+                            f"with microbatch=True it takes auto_microbatch's "
+                            f"{', '.join(MICROBATCH_OPTIONS)}")
+        if options and not microbatch:
+            raise TypeError(f"MemguardCallback: {', '.join(sorted(options))} are "
+                            f"auto_microbatch's options: pass microbatch=True with them")
+        if microbatch:  # checked now, not at fit: auto_microbatch checks its options early
+            auto_microbatch(torch.nn.Linear(1, 1), **options)
+        self.microbatch = microbatch
+        self._options = dict(options)
+
+    def _init_state(self) -> None:
+        self._step: Any = None  # this fit's auto_microbatch step
+        self._module: Any = None  # the module whose training_step is replaced
+        self._last_size: Optional[int] = None
+        self._size: Optional[int] = None  # the size that fitted, kept after the fit
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(super().__getstate__(), _step=None, _module=None)
+
+    @property
+    def microbatch_size(self) -> Optional[int]:
+        """The slice size that fitted (``None`` until a batch had to be split, or without
+        ``microbatch=True``)."""
+        if self._step is not None and self._step.microbatch_size is not None:
+            return self._step.microbatch_size
+        return self._size
+
     # -- Lightning's hooks ---------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._tracker.start_run()
         self._tracker.batch_size = _batch_size(trainer, pl_module)
+        if self.microbatch:
+            self._install(pl_module)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._uninstall()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._uninstall()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._tracker.begin(TRAIN)
@@ -87,11 +183,16 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._last_size is not None:
+            pl_module.log(MICROBATCH_KEY, float(self._last_size), on_step=True,
+                          on_epoch=False, batch_size=1)
+            self._last_size = None
         if self._tracker.step_due(trainer.global_step):
             for key, value in self._tracker.step_metrics().items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._uninstall()
         self._tracker.failed(exception, step=trainer.global_step,
                              batch_size=_batch_size(trainer, pl_module))
 
@@ -101,6 +202,94 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             pl_module.log(key, value, on_step=False, on_epoch=True)
         if error is not None:
             raise error
+
+    # -- microbatch=True -----------------------------------------------------------------------
+    def _install(self, pl_module: Any) -> None:
+        """Replace ``pl_module.training_step`` (an attribute of the instance, shadowing the
+        class's method) for this fit."""
+        self._uninstall()
+        if not getattr(pl_module, "automatic_optimization", True):
+            raise ValueError(
+                f"MemguardCallback(microbatch=True) needs automatic optimisation, but "
+                f"{type(pl_module).__name__}.automatic_optimization is False: there the "
+                f"step runs backward itself; decorate the loss computation inside "
+                f"training_step with memguard.auto_microbatch(self) and call "
+                f"optimizer.step() after it")
+        original = pl_module.training_step
+        extras: dict[str, Any] = {}
+
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original(batch, *args, **kwargs)
+            if isinstance(output, dict) and "loss" in output:
+                extras.clear()
+                extras.update((k, v.detach() if isinstance(v, torch.Tensor) else v)
+                              for k, v in output.items() if k != "loss")
+                return output["loss"]
+            return output
+
+        training_step.__name__ = training_step.__qualname__ = (
+            f"{type(pl_module).__name__}.training_step")
+        step = auto_microbatch(pl_module, **self._options)(training_step)
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        callback = self
+
+        def replaced(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+            extras.clear()
+            entry = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                loss = step(batch, *args, **kwargs)
+                grads = [p.grad for p in params]
+            finally:
+                for p, grad in zip(params, entry, strict=True):
+                    p.grad = grad
+            history = step.history
+            callback._last_size = history[-1].size if history else None
+            carrier = _carrier(loss, params, grads)
+            if extras:
+                return dict(extras, loss=carrier)
+            return carrier
+
+        pl_module.training_step = types.MethodType(replaced, pl_module)
+        self._step, self._module = step, pl_module
+
+    def _uninstall(self) -> None:
+        """Give the module its own ``training_step`` back."""
+        module, self._module = self._module, None
+        if self._step is not None and self._step.microbatch_size is not None:
+            self._size = self._step.microbatch_size
+        if module is not None and "training_step" in vars(module):
+            del module.training_step
+
+
+class _Carrier(torch.autograd.Function):
+    """The whole batch's loss (its value) whose backward hands gradients computed already
+    to the parameters, scaled by the gradient that reaches it."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Any, grads: list[Any], *params: Any) -> Any:
+        ctx.grads = grads
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        grads, ctx.grads = ctx.grads, None  # handed over once: the carrier frees them
+        if grads is None:
+            raise RuntimeError("the loss MemguardCallback(microbatch=True) returned from "
+                               "training_step was backpropagated twice: its gradients are "
+                               "handed to the parameters once")
+        if bool((grad == 1).all()):
+            return (None, None, *grads)
+        return (None, None, *(g * grad.to(g.dtype) for g in grads))
+
+
+def _carrier(loss: Any, params: list[Any], grads: list[Any]) -> Any:
+    """``loss`` (detached), carrying ``grads`` into ``params`` at its backward."""
+    used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    if not used:
+        return loss
+    return _Carrier.apply(loss.detach(), [g for _, g in used], *(p for p, _ in used))
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:
