@@ -107,7 +107,7 @@ def test_the_index_links_the_hugging_face_recovery_guide():
     assert heading, "docs/guides/trainers.rst has no hf-recovery label over a heading"
     assert "Hugging Face" in heading.group(1) and "out-of-memory" in heading.group(1)
     section = trainers[heading.end():].split("\n~~~")[0]
-    assert "@memguard.oom_retry(" in section and "trainer.train()" in section
+    assert "auto_microbatch(trainer)" in section and "trainer.train()" in section
 
 
 def test_nothing_in_the_documentation_speaks_of_one_machine():
@@ -137,17 +137,18 @@ def test_the_site_builds_with_warnings_as_errors_and_lists_every_public_name(tmp
 
 
 def guide_program(guide: str, first_line: str, after: str) -> str:
-    """The code block of ``docs/guides/<guide>.rst`` that starts with ``first_line``, up to
-    the paragraph that starts with ``after``, unindented."""
+    """The code block of ``docs/guides/<guide>.rst`` that ends at the paragraph starting with
+    ``after`` and starts at the last ``first_line`` before it, unindented."""
     text = read("docs", "guides", f"{guide}.rst")
-    block = text[text.index(f"    {first_line}"):text.index(after)]
+    end = text.index(after)
+    block = text[text.rindex(f"    {first_line}", 0, end):end]
     return "\n".join(line[4:] for line in block.splitlines())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first_line, after, start", [
     ("import tempfile", "The logits of 1024", 1024),                  # Hugging Face
-    ("import pytorch_lightning as pl", "With the CPU build of PyTorch it printed", 16384),
+    ("import pytorch_lightning as pl", "With the CPU build of PyTorch it printed ``2048", 16384),
 ], ids=["hugging-face", "lightning"])
 def test_the_recovery_programs_of_the_trainers_guide_recover(tmp_path, first_line, after, start):
     """The trainers guide's programs, run as the page shows them: a trainer's run that runs
@@ -164,6 +165,28 @@ def test_the_recovery_programs_of_the_trainers_guide_recover(tmp_path, first_lin
     assert printed, run.stdout[-2000:]
     final, tried = int(printed.group(1)), ast.literal_eval(printed.group(2))
     assert tried[0] == start and final == tried[-1] < start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first_line, after, batch", [
+    ("import tempfile", "The logits of 512", 512),                    # Hugging Face
+    ("import pytorch_lightning as pl", "The first step runs out of memory", 16384),
+], ids=["hugging-face", "lightning"])
+def test_the_step_level_programs_of_the_trainers_guide_train_every_step(tmp_path, first_line,
+                                                                        after, batch):
+    """The trainers guide's step-level programs, as the page shows them: under a host budget
+    the batch does not fit, every one of the 4 steps trains, in slices smaller than it."""
+    program = tmp_path / "steps.py"
+    program.write_text(guide_program("trainers", first_line, after))
+    run = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path,
+                         env=dict(os.environ, TRANSFORMERS_VERBOSITY="error",
+                                  PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps, sizes = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    sizes = ast.literal_eval(sizes)
+    sizes = sizes if isinstance(sizes, list) else [sizes]
+    assert int(steps) == 4 and sizes and all(0 < size < batch for size in sizes)
 
 
 def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
