@@ -110,7 +110,7 @@ def attempt(batch_size):
 
 attempt(1)
 memguard.free_memory()
-set_budget(100)
+set_budget(130)  # 8 x 12 MiB fits with room to spare, 16 x 12 MiB does not
 """
 
 
