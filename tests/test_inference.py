@@ -149,6 +149,32 @@ def test_on_a_fragmented_heap_the_check_reads_the_resident_set_and_still_cleans_
     assert out["kept"] < 30 * MiB, out
 
 
+def test_one_slow_mallinfo2_alone_keeps_the_cheaper_reading(python_in_subprocess):
+    # a mallinfo2 slowed once (the process preempted on a loaded machine, about once in a
+    # thousand readings) must not switch every check to the resident set for seconds: that
+    # reading is a system call, dearer near a forward pass; a heap slow twice in a row does
+    out = python_in_subprocess("""
+        import json, time
+        import torch
+        from memguard.backends import host
+        keep = [torch.ones(100 + i % 50) for i in range(20000)]
+        del keep[::2]  # free blocks between live ones: mallinfo2 is slow
+        start = time.perf_counter()
+        host.read_quick()
+        slow = time.perf_counter() - start
+        del keep  # the heap is whole again: mallinfo2 is fast
+        once = host.quick_kind()
+        host.read_quick()
+        keep = [torch.ones(100 + i % 50) for i in range(20000)]
+        del keep[::2]
+        host.read_quick()
+        host.read_quick()
+        print(json.dumps({"slow": slow, "once": once, "twice": host.quick_kind()}))
+    """)
+    assert out["slow"] > 200e-6, out  # precondition: mallinfo2 is slow on that heap
+    assert out == dict(out, once="in use", twice="resident"), out
+
+
 def test_without_torch_it_only_cleans_up(python_in_subprocess):
     out = python_in_subprocess("""
         import gc, json, sys
