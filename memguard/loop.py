@@ -148,9 +148,11 @@ def exhausted(who: str, attempts: list[Attempt], what: str = "") -> OutOfMemoryE
     at its failure, and what to change."""
     unit = attempts[-1].unit if attempts else "batch"
     sizes = "; ".join(f"{a.size} ({memory_summary(a.memory)})" for a in attempts)
+    advice = ("Lower min_batch_size, raise max_attempts, free memory held elsewhere, or use "
+              "a smaller model") if not attempts or attempts[-1].size > 1 else (
+        "Not even one sample fits: free memory held elsewhere, or use a smaller model")
     return OutOfMemoryError(f"{who}: out of memory at every {unit}_size tried{what}: {sizes}. "
-                            f"Lower min_batch_size, raise max_attempts, free memory held "
-                            f"elsewhere, or use a smaller model", attempts)
+                            f"{advice}", attempts)
 
 
 def safe_snapshot() -> Optional[MemorySnapshot]:

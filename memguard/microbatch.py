@@ -242,8 +242,14 @@ class _Step(Loop):
                 weight = self._weight_of(piece) / whole
             else:
                 weight = (stop - start) / n
-            total = self._backward(self._call(wrapped, piece, args, kwargs), weight, total,
-                                   stop == n)
+            loss = self._call(wrapped, piece, args, kwargs)
+            if weight == 0 and not cfg.sharded:
+                # nothing in this slice that the loss averages over (every label -100): it
+                # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
+                # may be (FSDP runs it anyway: every rank must join backward's collectives)
+                training.check_loss(loss, f"{self.who}()")
+                continue
+            total = self._backward(loss, weight, total, stop == n)
         return total
 
     def _weight_of(self, part: Any) -> float:

@@ -230,8 +230,10 @@ def test_a_step_that_fits_is_left_whole_and_bad_arguments_are_named(tmp_path):
 
 
 def test_the_smallest_slice_failing_too_ends_train_with_the_error(tmp_path):
-    with pytest.raises(memguard.OutOfMemoryError):
+    with pytest.raises(memguard.OutOfMemoryError) as caught:
         trained(tmp_path, limit=0, options={"min_batch_size": 2})
+    # named as the user knows it, not by memguard's inner function
+    assert str(caught.value).startswith("Trainer.training_step: out of memory"), caught.value
 
 
 # -- a real budget ----------------------------------------------------------------------------

@@ -365,3 +365,53 @@ def test_ddp_with_one_rank_out_of_memory_ends_with_the_reference_weights_and_no_
     for out in (first, second):
         for got, want in zip(out["weights"], reference[0]["weights"], strict=True):
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
+
+
+class Unfreeze:
+    """A layer frozen when the fit starts, unfrozen at the second epoch (fine-tuning a
+    backbone): a Lightning callback of the same package as the Trainer."""
+
+    @staticmethod
+    def make(pl):
+        class Callback(pl.Callback):
+            def on_train_epoch_start(self, trainer, module):
+                if trainer.current_epoch == 1:
+                    module.first.weight.requires_grad_(True)
+                    module.first.bias.requires_grad_(True)
+
+        return Callback()
+
+
+@pytest.mark.parametrize("limit", [None, 10], ids=["fits", "split"])
+def test_a_layer_unfrozen_during_the_fit_trains_from_then_on(limit):
+    pl = lightning("pytorch_lightning")
+    reference, model = pair(pl, limit=limit)
+    for net in (reference, model):
+        net.first.weight.requires_grad_(False)
+        net.first.bias.requires_grad_(False)
+    before = reference.first.weight.detach().clone()
+    fit(pl, reference, [Unfreeze.make(pl)], max_epochs=2)
+    fit(pl, model, [MemguardCallback(microbatch=True), Unfreeze.make(pl)], max_epochs=2)
+    assert (reference.first.weight - before).abs().max() > 1e-3  # precondition: it trained
+    assert distance(model, reference) < 1e-5
+
+
+@pytest.mark.parametrize("limit", [None, 10], ids=["fits", "split"])
+def test_a_step_that_returns_none_skips_the_batch_as_without_the_callback(limit):
+    pl = lightning("pytorch_lightning")
+    Net = module_class(pl)
+
+    class Skipping(Net):
+        def training_step(self, batch, index):
+            loss = super().training_step(batch, index)
+            return None if index == 1 else loss  # Lightning's way to skip a batch
+
+    torch.manual_seed(1)
+    reference = Skipping()
+    model = copy.deepcopy(reference)
+    model.limit = limit
+    plain = fit(pl, reference, [])
+    trainer = fit(pl, model, [MemguardCallback(microbatch=True)])
+    assert trainer.global_step == plain.global_step
+    assert distance(model, reference) < 1e-5
+    assert "training_step" not in vars(model)  # the module's own step is back

@@ -47,6 +47,20 @@ def test_the_block_form_lets_other_errors_through_untouched():
     assert loop.history == []  # nothing recorded as an out-of-memory
 
 
+def test_giving_up_at_one_sample_does_not_advise_lowering_the_floor():
+    with pytest.raises(memguard.OutOfMemoryError) as at_one:  # noqa: PT012 - the loop raises from its own step
+        for attempt in memguard.attempts(batch_size=2):
+            with attempt:
+                raise MemoryError("out of memory")
+    assert "Not even one sample fits" in str(at_one.value)
+    assert "min_batch_size" not in str(at_one.value)
+    with pytest.raises(memguard.OutOfMemoryError) as at_floor:  # noqa: PT012 - the loop raises from its own step
+        for attempt in memguard.attempts(batch_size=8, min_batch_size=4):
+            with attempt:
+                raise MemoryError("out of memory")
+    assert "Lower min_batch_size" in str(at_floor.value)
+
+
 def test_the_block_form_gives_up_at_min_batch_size_or_max_attempts():
     exhausted = "out of memory at every batch_size"
     with pytest.raises(memguard.OutOfMemoryError, match=exhausted) as caught:  # noqa: PT012 - the loop raises from its own step

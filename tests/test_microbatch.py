@@ -535,6 +535,40 @@ def test_a_token_mean_loss_split_with_weight_has_the_whole_batchs_gradients():
         > 1e-3 * largest
 
 
+def test_a_slice_with_no_token_to_average_adds_nothing_not_nan():
+    # one sample's labels are all -100: alone in a slice, its token mean is 0/0 (NaN); the
+    # step's loss and gradients must be the whole batch's, finite, also for a loss written
+    # as sum / count, whose backward at count 0 is NaN too
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 5)
+    x, y = torch.randn(4, 6, 4), torch.randint(0, 5, (4, 6))
+    y[0] = -100
+
+    def by_hand(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten(), ignore_index=-100,
+                                 reduction="none")
+        return losses.sum() / (yb != -100).sum()
+
+    for loss_of in (lambda xb, yb: F.cross_entropy(model(xb).flatten(0, 1), yb.flatten(),
+                                                   ignore_index=-100), by_hand):
+        model.zero_grad()
+        whole_loss = loss_of(x, y)
+        whole_loss.backward()
+        whole = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+
+        def step(batch: tuple, loss_of=loss_of) -> torch.Tensor:
+            if len(batch[0]) > 1:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return loss_of(*batch)
+
+        loss = memguard.auto_microbatch(model, weight=lambda b: (b[1] != -100).sum())(step)(
+            (x, y))
+        assert torch.isfinite(loss) and abs(float(loss) - float(whole_loss.detach())) < 1e-6
+        assert all(torch.allclose(p.grad, g, atol=1e-6)
+                   for p, g in zip(model.parameters(), whole, strict=True))
+
+
 def test_weight_is_checked():
     model, batch = _token_lm()
     with pytest.raises(TypeError, match="weight must be a callable"):

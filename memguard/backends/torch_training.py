@@ -252,6 +252,8 @@ def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
         loss = loss * weight
     (scaler.scale(loss) if scaler is not None else loss).backward()
     value = loss.detach().reshape(())
+    if weight == 0:  # a slice with nothing to average over adds nothing (its mean is NaN)
+        value = value.new_zeros(())
     return value if total is None else total + value
 
 

@@ -88,9 +88,11 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     ``strategy="ddp"`` (ranks agree after every pass on memguard's gloo group, so one rank's
     out-of-memory hangs no one; DDP averages the gradients once, in Lightning's backward).
     ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
-    dict's other entries are those of the last slice), a mean over the batch's samples
-    (``reduction="mean"``), a sum (``"sum"``) or a mean over what ``weight`` counts (tokens).
-    Values the step logs with ``self.log`` are logged once per slice. The slice size of
+    dict's other entries are those of the last slice; ``None`` skips the whole batch), a
+    mean over the batch's samples (``reduction="mean"``), a sum (``"sum"``) or a mean over
+    what ``weight`` counts (tokens). The trained parameters are read at every step (a layer
+    unfrozen during the fit trains). Values the step logs with ``self.log`` are logged once
+    per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
     each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
     through the module's ``log``; ``microbatch_size`` holds the size that fitted.
 
@@ -220,6 +222,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             output = original(batch, *args, **kwargs)
+            if output is None:  # Lightning's way to skip a batch
+                raise _Skipped
             if isinstance(output, dict) and "loss" in output:
                 extras.clear()
                 extras.update((k, v.detach() if isinstance(v, torch.Tensor) else v)
@@ -230,17 +234,20 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(pl_module).__name__}.training_step")
         step = auto_microbatch(pl_module, **self._options)(training_step)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
         callback = self
 
         def replaced(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
             extras.clear()
+            # read at every step: a layer unfrozen during the fit trains from then on
+            params = [p for p in module.parameters() if p.requires_grad]
             entry = [p.grad for p in params]
             for p in params:
                 p.grad = None
             try:
                 loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
+            except _Skipped:  # the step returned None: Lightning skips the batch
+                return None
             finally:
                 for p, grad in zip(params, entry, strict=True):
                     p.grad = grad
@@ -261,6 +268,11 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             self._size = self._step.microbatch_size
         if module is not None and "training_step" in vars(module):
             del module.training_step
+
+
+class _Skipped(Exception):
+    """``training_step`` returned ``None`` (for any slice): the whole batch is skipped, its
+    slices' gradients dropped, as Lightning skips a batch whose step returns ``None``."""
 
 
 class _Carrier(torch.autograd.Function):

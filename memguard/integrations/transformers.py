@@ -380,7 +380,8 @@ class MicrobatchedTrainingStep:
             divisor = accelerator.gradient_accumulation_steps
             return loss / divisor if divisor != 1 else loss
 
-        training_step.__name__ = f"{type(trainer).__name__}.training_step"
+        training_step.__name__ = training_step.__qualname__ = (
+            f"{type(trainer).__name__}.training_step")
         step = _auto_microbatch(model, **options)(training_step)
         self._steps[reduction] = (weakref.ref(model), step)
         return step
