@@ -23,6 +23,10 @@ The order of one call:
    others; any rank's failure ends the step on every rank with an error.
 5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
    the ranks once.
+
+Under FSDP2 (``fully_shard``) the passes run with FSDP's reduction held back and a flag exchange
+before each unit's all-gathers (``backends/torch_fsdp.py``); every rank redoes a failed pass at
+one size, and the gradients are reduce-scattered once after the last pass.
 """
 
 from __future__ import annotations
@@ -153,7 +157,7 @@ class _Step(Loop):
     out-of-memory; a rank that is done waits for the others."""
 
     unit: Unit = "microbatch"
-    peers = "wait"
+    peers: Literal["redo", "wait"] = "wait"
 
     def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
@@ -468,11 +472,18 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     rank's out-of-memory, in forward or backward, hangs no one: a rank that is done waits),
     and the gradients are averaged once over the DDP group afterwards, as DDP would have
     (not inside the user's own ``no_sync()``). Every rank must call the step, as DDP
-    requires. Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
+    requires. With an FSDP2 model (``fully_shard``, per layer and at the root), gradient
+    reduction is held back during the passes (as ``set_requires_gradient_sync(False)`` does)
+    and made once after them, the ranks exchange a flag before every FSDP unit's all-gather in
+    forward and in backward (so one rank's out-of-memory is learned there, before a collective
+    it would not join), and every rank redoes the step at the same slice size; give every
+    rank batches of one length. An out-of-memory while FSDP allocates an all-gather's buffer,
+    or inside the one reduce-scatter after the last pass, still hangs (see the distributed
+    guide). Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
 
     Args:
-        model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP or
-            FSDP wrapped or not).
+        model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
+            wrapped, sharded with FSDP2's ``fully_shard``, or neither).
         min_batch_size: the smallest slice size tried.
         factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
             callable ``size -> next size`` decides.
@@ -502,6 +513,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     Raises:
         OutOfMemoryError: when the slice at ``min_batch_size`` (or the ``max_attempts``-th
             pass) runs out of memory too.
+        TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``
+            (shard it with ``fully_shard`` instead).
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)
