@@ -8,6 +8,8 @@ wait there for the failed rank: every run has a deadline, so a hang fails the te
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,3 +190,40 @@ def test_fsdp1_is_refused_and_names_fully_shard(python_in_subprocess):
     """)
     assert out["error"] and "FullyShardedDataParallel" in out["error"]
     assert "fully_shard" in out["error"]
+
+
+GAP = MODEL + """
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+import memguard
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+model = make_model()
+for layer in model.layers:
+    fully_shard(layer)
+fully_shard(model)
+gather = _fsdp_param_group.foreach_all_gather
+
+def failing_gather(fsdp_params, *args, **kwargs):
+    # rank 1 fails where FSDP allocates the middle unit's all-gather output, before the
+    # collective (after memguard's check point for the unit)
+    if rank == 1 and any(p._param_fqn.startswith("layers.1.") for p in fsdp_params):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; "
+                           "79.15 GiB total capacity)")
+    return gather(fsdp_params, *args, **kwargs)
+
+_fsdp_param_group.foreach_all_gather = failing_gather
+step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+step(batch(0, rank))
+dist.destroy_process_group()
+print(json.dumps({"rank": rank, "finished": True}))
+"""
+
+
+def test_an_oom_allocating_an_all_gather_buffer_still_hangs():
+    # the documented gap: an out-of-memory inside FSDP's all-gather, after memguard's check
+    # point and before the collective, leaves the healthy rank in the all-gather
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_ranks(GAP, world=2, timeout=30)
