@@ -23,25 +23,30 @@ The order of one call:
    others; any rank's failure ends the step on every rank with an error.
 5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
    the ranks once.
+
+Under FSDP2 (``fully_shard``) the passes run with FSDP's reduction held back and a flag exchange
+before each unit's all-gathers (``backends/torch_fsdp.py``); every rank redoes a failed pass at
+one size, and the gradients are reduce-scattered once after the last pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import weakref
-from typing import Any, Callable, Literal, Optional, ParamSpec, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Literal, Optional, ParamSpec, Protocol, TypeVar
 
 from ._checks import optional_positive_int, renamed
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
-from .backends import torch_distributed, torch_training as training
+from .backends import torch_distributed, torch_fsdp, torch_training as training
 from .cleanup import free_memory
-from .distributed import Sync
+from .distributed import OK, Sync
 from .errors import OutOfMemoryError
-from .loop import Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
+from .loop import NO_OPINION, Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
 
 log = logging.getLogger("memguard")
 P = ParamSpec("P")
@@ -152,7 +157,7 @@ class _Step(Loop):
     out-of-memory; a rank that is done waits for the others."""
 
     unit: Unit = "microbatch"
-    peers = "wait"
+    peers: Literal["redo", "wait"] = "wait"
 
     def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
@@ -200,23 +205,77 @@ class _Step(Loop):
                 f"auto_microbatch: {cfg.name}'s DDP model runs on a process group of "
                 f"{training.group_size(self.ddp)} ranks while the job has {world[1]}; ranks "
                 f"agree over the whole job, so the DDP group must span it")
+        # FSDP2: every rank runs every all-gather, so all redo a failed pass, at one size
+        self.fsdp = torch_fsdp.Sharding(cfg.model) if cfg.sharded else None
+        self.watching = self.fsdp is not None and self.agreement.active
+        if self.watching:
+            self.peers = "redo"
+        self.told: Optional[tuple[int, int]] = None  # an agreement already made at a check
 
     def slices(self) -> int:
         return math.ceil(self.samples / self.size)
 
+    # -- FSDP2 -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _sharding(self) -> Iterator[None]:
+        """While the passes run on an FSDP2 model: its gradient reduction held back and, in
+        a job of several ranks, a check before each unit's all-gathers."""
+        fsdp = self.fsdp
+        if fsdp is None:
+            yield
+            return
+        fsdp.hold()
+        if self.watching:
+            fsdp.watch(self._check)
+        try:
+            yield
+        finally:
+            fsdp.unwatch()
+            fsdp.release()
+
+    def _check(self) -> None:
+        """Before an FSDP unit's all-gather: the exchange a rank makes when its pass ends
+        (same values, same shape), so that a peer whose pass failed is met here rather than
+        in a collective it will never join. A peer's failure ends this rank's pass with an
+        out-of-memory of its own; the outcome is kept for this pass's agreement, which then
+        makes no second exchange."""
+        if self.told is None:
+            values = self.agreement.all_max([OK, -NO_OPINION, *self.local_flags()])
+            if values[0] == OK:
+                return
+            self.flags = values[2:]
+            self.told = (values[0], -values[1])
+        raise OutOfMemoryError(f"{self.cfg.name}: another rank ran out of memory (or failed) "
+                               f"in this pass; every rank redoes it")
+
+    def _agree(self, status: int, proposal: int) -> tuple[int, int]:
+        told, self.told = self.told, None
+        if told is not None:  # exchanged at a check point during the pass
+            return told
+        return super()._agree(status, proposal)
+
     # -- the call --------------------------------------------------------------------------
     def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.entry = training.stash(self.params)
+        fsdp = self.fsdp
+        unsharded = fsdp.stash() if fsdp is not None else []
         total = None
         try:
-            with training.local_gradients(self.ddp) as syncs:
+            with training.local_gradients(self.ddp) as syncs, self._sharding():
                 self.syncs = syncs
                 self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
+            if fsdp is not None:
+                fsdp.merge(unsharded)
+                if fsdp.syncs:  # held back during the passes: once, now, on every rank
+                    fsdp.reduce()
             training.merge(self.params, self.entry)
         except BaseException:
+            if fsdp is not None:
+                fsdp.reset()
+                fsdp.restore(unsharded)
             training.restore(self.params, self.entry)
             raise
         if syncs and self.ddp is not None:  # a DDP model's reduction was held back
@@ -349,11 +408,16 @@ class _Step(Loop):
         return super().propose(estimate)
 
     def after_oom(self, agreed: int) -> Optional[int]:
+        if self.watching:  # every rank runs the same slices: FSDP's collectives pair up
+            return agreed
         return self.proposal  # each rank cuts its own batch: its own size
 
     def recover(self, retrying: bool) -> int:
         """Drop the failed pass's gradients, put the buffers back, free its memory."""
         training.drop(self.params)
+        if self.fsdp is not None:  # FSDP's iteration state, left mid-pass by the error
+            self.fsdp.reset()
+            self.fsdp.drop()
         if self.buffers is not None:
             self.buffers.load()
         if self.cfg.scaler is not None:
@@ -414,11 +478,18 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     rank's out-of-memory, in forward or backward, hangs no one: a rank that is done waits),
     and the gradients are averaged once over the DDP group afterwards, as DDP would have
     (not inside the user's own ``no_sync()``). Every rank must call the step, as DDP
-    requires. Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
+    requires. With an FSDP2 model (``fully_shard``, per layer and at the root), gradient
+    reduction is held back during the passes (as ``set_requires_gradient_sync(False)`` does)
+    and made once after them, the ranks exchange a flag before every FSDP unit's all-gather in
+    forward and in backward (so one rank's out-of-memory is learned there, before a collective
+    it would not join), and every rank redoes the step at the same slice size; give every
+    rank batches of one length. An out-of-memory while FSDP allocates an all-gather's buffer,
+    or inside the one reduce-scatter after the last pass, still hangs (see the distributed
+    guide). Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
 
     Args:
-        model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP or
-            FSDP wrapped or not).
+        model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
+            wrapped, sharded with FSDP2's ``fully_shard``, or neither).
         min_batch_size: the smallest slice size tried.
         factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
             callable ``size -> next size`` decides.
@@ -448,6 +519,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     Raises:
         OutOfMemoryError: when the slice at ``min_batch_size`` (or the ``max_attempts``-th
             pass) runs out of memory too.
+        TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``
+            (shard it with ``fully_shard`` instead).
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)
@@ -474,12 +547,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
                         f"its scale()), got {type(scaler).__name__}")
     training.parameters(model)
-    sharded = training.sharded(model)
-    if sharded:
-        log.warning("auto_microbatch: %s is sharded with FSDP, whose collectives run inside "
-                    "forward and backward: an out-of-memory on one rank alone leaves its "
-                    "peers waiting in them until the process group's timeout",
-                    type(model).__name__)
+    old = torch_fsdp.fsdp1(model)
+    if old is not None:
+        raise TypeError(f"auto_microbatch does not support FSDP1's FullyShardedDataParallel "
+                        f"wrapper ({type(old).__name__} in {type(model).__name__}): its "
+                        f"collectives run inside forward and backward, where one rank's "
+                        f"out-of-memory would leave its peers waiting. Shard the model with "
+                        f"FSDP2's torch.distributed.fsdp.fully_shard (per layer and at the "
+                        f"root) instead")
+    sharded = bool(torch_fsdp.units(model))
 
     def decorate(func: Callable[P, R_co]) -> MicrobatchedFunction[P, R_co]:
         kind = function_kind(func)

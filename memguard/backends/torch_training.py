@@ -280,13 +280,6 @@ def comm_hooks(ddp: Any) -> list[str]:
     return [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
 
 
-def sharded(model: Any) -> bool:
-    """Whether ``model`` is (or holds) an FSDP module, whose collectives run inside forward
-    and backward."""
-    return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule")
-               for module in model.modules() for cls in type(module).__mro__)
-
-
 def group_size(ddp: Any) -> int:
     """The number of ranks of ``ddp``'s process group."""
     import torch.distributed as dist
