@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import traceback
-from typing import Any, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
@@ -38,6 +38,18 @@ Acting = Literal["auto", "always"]
 """A cleanup that acts: what a :class:`Settler` applies."""
 Readings = dict[str, Reading]
 Pairs = list[tuple[Backend, str]]
+
+
+on_full_collection: list[Callable[[], None]] = []
+"""Called after each full collection memguard runs (:func:`collect_all`): a level read before
+one may be far above what is in use after it."""
+
+
+def collect_all() -> None:
+    """A full ``gc.collect()``, then :data:`on_full_collection`."""
+    gc.collect()
+    for hook in on_full_collection:
+        hook()
 
 
 def cleanup_mode(value: Any, who: str) -> Cleanup:
@@ -132,7 +144,7 @@ def free_memory(*, keras: bool = False) -> int:
     if keras:
         clear_keras_session()
     with interrupts_after():
-        gc.collect()
+        collect_all()
         empty_caches(active_backends())
     freed = released(before, read_all(pairs))
     log.debug("free_memory released %d bytes", freed)
@@ -174,7 +186,7 @@ def drop_frames(exc: BaseException) -> None:
             traceback.clear_frames(current.__traceback__)
 
 
-class _Backoff:
+class Backoff:
     """Skips an action after it proved useless: 1, 3, 7 ... up to 63 windows."""
 
     def __init__(self) -> None:
@@ -218,8 +230,8 @@ class Settler:
             raise ValueError(f"Settler: cleanup must be 'auto' or 'always', got {cleanup!r}")
         self.cleanup = cleanup
         self.adaptive = adaptive
-        self._gc = _Backoff()
-        self._cache = _Backoff()
+        self._gc = Backoff()
+        self._cache = Backoff()
         self._cache_last = False
 
     def settle(self, pairs: Pairs, entry: Readings, kind: str = "in use") -> Outcome:
@@ -227,7 +239,7 @@ class Settler:
         :func:`read_all`)."""
         now = read_all(pairs, kind)
         if self.cleanup == "always":
-            gc.collect()
+            collect_all()
             empty_caches(b for b, _ in pairs)
             after = read_all(pairs, kind)
             return Outcome(released(now, after), True, after)
@@ -279,7 +291,7 @@ class Settler:
         now = read_all(pairs, kind)
         still = [d for d in self._held(pairs, now, entry) if d in held]
         if still:
-            gc.collect()
+            collect_all()
             now = read_all(pairs, kind)
             still = [d for d in self._held(pairs, now, entry) if d in held]
         if self.adaptive:

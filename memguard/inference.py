@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import threading
 import time
-from typing import Any, Callable, Optional, TypeVar
+from time import perf_counter
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
+from . import cleanup as cleanup_state
 from ._decorate import guard
 from .backends import is_keras_model, resolve_devices
-from .backends.torch import InferenceState, enter_inference, exit_inference, is_module
-from .cleanup import Cleanup, Pairs, Settler, cleanup_mode, empty_caches
+from .backends.torch import InferenceState, enter_inference, exit_inference, first_non_module
+from .cleanup import Backoff, Cleanup, Pairs, Settler, cleanup_mode, collect_all, empty_caches
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
-InUse = list[tuple[str, Optional[int]]]
 
 
 _DEVICES: tuple[float, Pairs] = (-1.0, [])
 DEVICES_TTL = 1.0
 """Seconds the devices an ``"auto"`` cleanup watches are reused for before they are listed
-again (listing them costs more than the two readings it serves: asking each framework which
+again (listing them costs more than the readings it serves: asking each framework which
 devices it has started)."""
 
 
@@ -36,47 +39,131 @@ def _devices() -> Pairs:
     return pairs
 
 
-def _in_use(pairs: Pairs, like: Optional[InUse] = None) -> InUse:
-    """Each device's quick reading, ``(kind, bytes)``: what its allocator has handed out, or
-    on a slow host heap the resident set (bytes ``None`` where unknown); with ``like``, of
-    the kinds those readings had, so that they compare (``mallinfo2`` found slow inside the
-    block must not leave the exit's reading of another kind than the entry's)."""
-    out: InUse = []
-    for index, (backend, device) in enumerate(pairs):
+Level = tuple[str, Optional[int]]
+"""A device's quick reading, ``(kind, bytes)`` (bytes ``None`` where unknown); readings of
+different kinds do not compare."""
+Levels = dict[str, Level]
+
+CHECK_SHARE = 0.001
+"""The most of the blocks' time the ``"auto"`` checks may take: the devices are read once the
+blocks since the previous check have run ``1 / CHECK_SHARE`` times as long as that check
+took (each check times itself: about 13 us for the host alone, so one every ~13 ms of
+blocks). A block that long is checked at its exit; a run of shorter ones every few blocks."""
+MAX_GAP = 0.05
+"""Seconds of blocks after which a check is due however long the previous one took (a
+reading of a slow heap, before the resident set stands in for it)."""
+
+
+def _levels(pairs: Pairs, like: Optional[Mapping[str, Optional[Level]]] = None) -> Levels:
+    """Each device's quick reading: what its allocator has handed out, or on a slow host heap
+    the resident set; with ``like``, of the kind each device's reading there has (so that
+    the two compare)."""
+    out: Levels = {}
+    for backend, device in pairs:
+        kind = (like.get(device) or ("", None))[0] or None if like else None
         try:
-            kind = like[index][0] or None if like is not None else None
-            out.append(backend.read_quick(device, kind))
+            out[device] = backend.read_quick(device, kind)
         except Exception as exc:  # noqa: BLE001 - never let a reading break the program
             log.warning("cannot read %s: %s", device, exc)
-            out.append(("", None))
+            out[device] = ("", None)
     return out
 
 
-def _held(pairs: Pairs, entry: InUse, now: InUse) -> Pairs:
-    """The devices whose allocator hands out more than its tolerance above ``entry``."""
-    return [(backend, device) for (backend, device), before, after in zip(pairs, entry, now,
-                                                                          strict=True)
-            if before[1] is not None and after[1] is not None and before[0] == after[0]
-            and after[1] - before[1] > backend.hold_tolerance]
+def _above(now: Level, reference: Optional[Level]) -> int:
+    """Bytes ``now`` is above ``reference``; 0 where they do not compare."""
+    if reference is None or now[1] is None or reference[1] is None or now[0] != reference[0]:
+        return 0
+    return now[1] - reference[1]
 
 
-def _settle_kept(pairs: Pairs, entry: InUse) -> None:
-    """The ``"auto"`` cleanup after an inference block: one cheap reading per device (what
-    the allocators hand out; microseconds); only where the block left more than the device's
-    tolerance in use, collect the young generations, then in full if that did not free it,
-    and empty the caches of the devices that had held it. A cache that merely grew (the
-    forward's activations freed into it) is left to the next forward, which reuses it."""
-    held = _held(pairs, entry, _in_use(pairs, entry))
-    if not held:
-        return
-    gc.collect(1)
-    held_entry = [entry[pairs.index(p)] for p in held]
-    still = _held(held, held_entry, _in_use(held, held_entry))
-    if still:
-        gc.collect()
-    empty_caches(backend for backend, _ in held)
-    log.debug("inference_mode collected garbage; memory was held on %s",
-              ", ".join(device for _, device in held))
+def _lower(older: Optional[Level], newer: Optional[Level]) -> Optional[Level]:
+    """The lower of two levels of one kind; of two kinds (or one unknown), the newer known."""
+    if newer is None or newer[1] is None:
+        return older
+    if older is None or older[1] is None or older[0] != newer[0]:
+        return newer
+    return older if older[1] <= newer[1] else newer
+
+
+class _Watch:
+    """What :func:`inference_mode`'s ``"auto"`` cleanup keeps across blocks, one per process:
+    each device's level as the previous check left it, the block time run since that check,
+    what the check took, and a back-off for collections that freed nothing.
+
+    A check compares each device's reading at a block's exit with a reference: the lower of
+    the level the previous check left and, where the block was read on entry too (the check
+    was due then), its entry reading; so a block that leaves memory in use is seen whether
+    memory was freed or allocated between blocks, and so is memory left by unchecked blocks
+    before it. Where a device is more than its tolerance above the reference: collect the
+    young generations, then in full if that did not free it, and empty that device's cache.
+    A collection that freed nothing (memory really in use: outputs the caller keeps) backs
+    off, skipping the next 1, 3, 7 ... 63 collections a check would run, and the level
+    becomes what is in use then, so that it is not collected for again until more is held.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.level: Levels = {}
+        self.owed = 0.0  # seconds of blocks run since the last check
+        self.due = 0.0  # ... at which the next check is due: 0 before the first
+        self.backoff = Backoff()
+
+    def stale(self) -> None:
+        """Make the next block's check due on its entry (after a full collection, a level
+        read before it may be far above what is in use)."""
+        self.due = 0.0
+
+    def entry(self) -> Optional[Levels]:
+        """The entry readings of a block whose check is due."""
+        return _levels(_devices(), self.level)
+
+    def check(self, entry: Optional[Levels]) -> None:
+        """Check after a block (entered with ``entry`` readings or none); see the class."""
+        if not self.lock.acquire(blocking=False):
+            return  # another thread's block is being checked
+        try:
+            start = time.perf_counter()
+            pairs = _devices()
+            now = _levels(pairs, self.level)
+            reference = {device: _lower(self.level.get(device), (entry or {}).get(device))
+                         for device in now}
+            held = [(backend, device) for backend, device in pairs
+                    if _above(now[device], reference[device]) > backend.hold_tolerance]
+            self.due = min((time.perf_counter() - start) / CHECK_SHARE, MAX_GAP)
+            self.owed = 0.0
+            if held and self.backoff.ready():
+                now = self._collect(pairs, held, reference)
+            self.level = {}
+            for backend, device in pairs:  # memory still held is taken as in use from now on
+                reading, was = now[device], reference[device]
+                self.level[device] = reading if _above(reading, was) > backend.hold_tolerance \
+                    else _lower(was, reading) or reading
+            moved = [(b, d) for b, d in pairs if b.quick_kind(d) != self.level[d][0]]
+            self.level.update(_levels(moved))  # the quick reading changed kind: a new level
+        finally:
+            self.lock.release()
+
+    def _collect(self, pairs: Pairs, held: Pairs, reference: dict[str, Optional[Level]]
+                 ) -> Levels:
+        """Collect for the ``held`` devices; the readings afterwards."""
+        def still(now: Levels) -> Pairs:
+            return [(b, d) for b, d in held if _above(now[d], reference[d]) > b.hold_tolerance]
+
+        gc.collect(1)
+        now = _levels(pairs, reference)
+        if still(now):
+            collect_all()
+            now = _levels(pairs, reference)
+        empty_caches(backend for backend, _ in held)
+        (self.backoff.useless if still(now) else self.backoff.useful)()
+        log.debug("inference_mode collected garbage; memory was held on %s",
+                  ", ".join(device for _, device in held))
+        return now
+
+
+_WATCH = _Watch()
+os.register_at_fork(after_in_child=lambda: setattr(_WATCH, "lock", threading.Lock()))
+cleanup_state.on_full_collection.append(_WATCH.stale)
 
 
 class InferenceMode:
@@ -94,26 +181,31 @@ class InferenceMode:
     False
     """
 
+    __slots__ = ("_active", "_entry", "_start", "_state", "cleanup", "models")
+
     def __init__(self, *models: Any, cleanup: Cleanup = "auto") -> None:
-        for position, model in enumerate(models):
-            if not is_module(model):
-                raise TypeError(
-                    f"inference_mode: argument {position} is a {type(model).__name__}, not a "
-                    f"torch.nn.Module; pass the models to switch to eval mode (Keras models "
-                    f"take training=False when called instead)")
+        position = first_non_module(models)
+        if position is not None:
+            raise TypeError(
+                f"inference_mode: argument {position} is a {type(models[position]).__name__}, "
+                f"not a torch.nn.Module; pass the models to switch to eval mode (Keras models "
+                f"take training=False when called instead)")
         self.models = models
-        self.cleanup: Cleanup = cleanup_mode(cleanup, "inference_mode")
+        self.cleanup: Cleanup = cleanup if cleanup == "auto" else cleanup_mode(
+            cleanup, "inference_mode")
         self._state: Optional[InferenceState] = None
-        self._pairs: Pairs = []
-        self._entry: InUse = []
+        self._entry: Optional[Levels] = None
+        self._start = 0.0
         self._active = False
 
     def __enter__(self) -> "InferenceMode":
         if self._active:
             raise RuntimeError("this inference_mode is already active; use a new one per block")
         if self.cleanup == "auto":
-            self._pairs = _devices()
-            self._entry = _in_use(self._pairs)
+            watch = _WATCH
+            if watch.owed >= watch.due:
+                self._entry = watch.entry()
+            self._start = perf_counter()
         self._state = enter_inference(self.models)
         self._active = True
         return self
@@ -124,14 +216,25 @@ class InferenceMode:
         try:
             exit_inference(state)
         finally:
-            try:
-                if self.cleanup == "auto":
-                    _settle_kept(self._pairs, self._entry)
-                elif self.cleanup == "always":
-                    Settler("always").settle(resolve_devices(None), {})
-            except Exception:
-                if exc_type is None:
-                    raise
+            if self.cleanup == "auto":
+                watch = _WATCH
+                watch.owed += perf_counter() - self._start
+                if self._entry is not None or watch.owed >= watch.due:
+                    self._check(exc_type)
+            elif self.cleanup == "always":
+                self._check(exc_type)
+
+    def _check(self, exc_type: Any) -> None:
+        """The cleanup after the block, raising only where the block did not."""
+        try:
+            if self.cleanup == "auto":
+                entry, self._entry = self._entry, None
+                _WATCH.check(entry)
+            else:
+                Settler("always").settle(resolve_devices(None), {})
+        except Exception:
+            if exc_type is None:
+                raise
 
     def __call__(self, func: F) -> F:
         return guard(func, lambda: InferenceMode(*self.models, cleanup=self.cleanup),
@@ -143,14 +246,23 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
 
     With torch: enters ``torch.inference_mode()``, switches each ``torch.nn.Module`` to
     ``eval()``, and on exit (also on an exception) restores every submodule's own ``training``
-    flag; then cleans up. ``cleanup="auto"`` (the default) reads what each device's allocator
-    hands out on entry and on exit (microseconds) and only where the block left more than the
-    device's tolerance in use (a reference cycle holding outputs, say) collects garbage and
-    empties that device's cache; a cache that merely grew (activations freed into it) is left
-    to the next forward, which reuses it (the devices watched are listed again at most once
-    a second, :data:`DEVICES_TTL`). On the host that reading is glibc's ``mallinfo2``, which
-    walks every free block of the heap: where it takes more than 0.1 ms (a fragmented heap
-    of a long-running server), the resident set stands in for the next 10 s. ``"always"``
+    flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's
+    allocator hands out, at a cost kept to about 0.1% of the time spent in blocks: a check
+    (microseconds) runs at the exit of a block once the blocks since the previous check have
+    run 1,000 times as long as that check took (:data:`CHECK_SHARE`: so every block of more
+    than ~13 ms, every few shorter ones, and always within :data:`MAX_GAP` seconds of
+    blocks), and on the first block and the first after a full collection memguard ran
+    (:func:`memguard.free_memory`, a scope's cleanup), against its own entry too. It compares with the
+    lower of the level the previous check left and, where the check was due on entry, the
+    block's entry; where a device is more than its tolerance above that (a reference cycle
+    holding outputs, from this block or the unchecked ones before it), it collects the young
+    generations, then in full if that did not free it, and empties that device's cache. What
+    a collection could not free (outputs the caller keeps) is the level from then on, and
+    collections that keep freeing nothing back off (skipping 1, 3, 7 ... 63 of them). A
+    cache that merely grew (activations freed into it) is left to the next forward, which
+    reuses it. On the host the reading is glibc's ``mallinfo2``, which walks every free
+    block of the heap: where it takes more than 0.1 ms twice running (a fragmented heap of
+    a long-running server) the resident set stands in for the next 10 s. ``"always"``
     collects in full and empties every cache; ``"never"`` does neither.
     Without torch (a TensorFlow program) it only cleans up. Usable as ``with``, as
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
@@ -178,7 +290,7 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
     >>> y.requires_grad, model.training
     (False, True)
     """
-    if len(models) == 1 and callable(models[0]) and not is_module(models[0]) \
+    if len(models) == 1 and first_non_module(models) == 0 and callable(models[0]) \
             and not is_keras_model(models[0]):
         return InferenceMode(cleanup=cleanup)(models[0])
     return InferenceMode(*models, cleanup=cleanup)

@@ -167,7 +167,7 @@ class HostBackend(Backend):
         used = self.malloc_in_use()
         return self.rss() if used is None else used
 
-    def quick_kind(self) -> str:
+    def quick_kind(self, device: Optional[str] = None) -> str:
         """The reading a check on every call takes now: ``"in use"`` (``mallinfo2``), or
         ``"resident"`` (the resident set) for :data:`MALLINFO_PAUSE` seconds after
         :data:`SLOW_IN_A_ROW` ``mallinfo2`` readings in a row slower than

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
@@ -149,83 +149,99 @@ def is_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-class InferenceState:
-    """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
-    ``training`` flags of modules that set it as a plain attribute (``direct``) and of the
-    others (``flags``)."""
+InferenceState = tuple[Any, list[Any], list[bool], bool]
+"""What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
+inference-mode guard entered, the modules switched off (each once), their ``training`` flags
+before, and whether the flags were written directly (else each model's own ``eval()`` ran,
+and the flags go back through ``__setattr__``)."""
 
-    __slots__ = ("context", "direct", "flags")
-
-    def __init__(self, context: Any, direct: list[tuple[Any, bool]],
-                 flags: list[tuple[Any, bool]]) -> None:
-        self.context = context
-        self.direct = direct
-        self.flags = flags
+_CLASSES: list[Any] = []
+"""``torch.nn.Module``, ``Module.train``, ``Module.__setattr__`` and the inference-mode guard
+class, looked up once (this runs around every forward pass, where every lookup counts)."""
 
 
-def _tree(model: Any) -> list[Any]:
-    """``model`` and its submodules, each once: what ``model.modules()`` yields, in another
-    order, without building each one's dotted name."""
-    out, seen = [model], {id(model)}
-    for module in out:  # grows while it is walked
+def _classes() -> list[Any]:
+    if not _CLASSES:
+        torch = _torch()
+        module = torch.nn.Module
+        # torch.inference_mode()'s own C++ guard where torch has it (entering it directly
+        # saves the Python wrapper's ~5 us), else the public context manager
+        guard = getattr(torch._C, "_InferenceMode", None)  # noqa: SLF001 - what torch.inference_mode enters
+        _CLASSES[:] = [module, module.train, module.__setattr__,
+                       torch.inference_mode if guard is None else guard]
+    return _CLASSES
+
+
+def first_non_module(objects: tuple[Any, ...]) -> Optional[int]:
+    """The position of the first of ``objects`` that is not a ``torch.nn.Module`` (the first
+    of any when torch was never imported); ``None`` when all are."""
+    if not objects:
+        return None
+    if not _CLASSES and "torch" not in sys.modules:
+        return 0
+    module = (_CLASSES or _classes())[0]
+    for position, obj in enumerate(objects):
+        if not isinstance(obj, module):
+            return position
+    return None
+
+
+_write = object.__setattr__
+
+
+def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
+    """Enter ``torch.inference_mode()`` and put every module in eval mode.
+
+    The models and their submodules, each once (what ``model.modules()`` yields, in another
+    order, without building each one's dotted name), have their ``training`` flags read;
+    where every one keeps ``torch.nn.Module``'s ``train`` and ``__setattr__`` the flags are
+    written directly (what ``eval()`` does, without its walk through ``Module.__setattr__``:
+    ~10 us for a model of six modules), else each model gets its own ``eval()``. Returns
+    ``None`` when torch is not imported and no model was given.
+    """
+    if not models and "torch" not in sys.modules:
+        return None
+    _, train, setattr_, guard = _CLASSES or _classes()
+    modules: list[Any] = []
+    seen: set[int] = set()
+    for model in models:
+        if id(model) not in seen:
+            seen.add(id(model))
+            modules.append(model)
+    direct = True
+    for module in modules:  # grows while it is walked
+        cls = type(module)
+        if direct and (cls.train is not train or cls.__setattr__ is not setattr_):
+            direct = False
         for child in module._modules.values():  # noqa: SLF001 - the children, as modules() reads them
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
-                out.append(child)
-    return out
-
-
-def _inference_context(torch: Any) -> Any:
-    """``torch.inference_mode()``'s own C++ guard where torch has it (entering it directly
-    saves the Python wrapper's ~5 us), else the public context manager."""
-    guard = getattr(torch._C, "_InferenceMode", None)  # noqa: SLF001 - what torch.inference_mode enters
-    return torch.inference_mode() if guard is None else guard(True)
-
-
-def enter_inference(models: Iterable[Any]) -> Optional[InferenceState]:
-    """Enter ``torch.inference_mode()`` and put every module in eval mode.
-
-    A model whose modules all keep ``torch.nn.Module``'s ``train`` and ``__setattr__`` has
-    its ``training`` flags written directly (what ``eval()`` does, without its walk through
-    ``Module.__setattr__``: ~10 us for a model of six modules); a model with a module that
-    overrides either gets its own ``eval()``. Returns ``None`` when torch is not imported and
-    no model was given.
-    """
-    models = list(models)
-    if "torch" not in sys.modules and not models:
-        return None
-    torch = _torch()
-    train, setattr_ = torch.nn.Module.train, torch.nn.Module.__setattr__
-    direct: list[tuple[Any, bool]] = []
-    flags: list[tuple[Any, bool]] = []
-    plain: list[Any] = []  # modules to turn off directly, once every flag is read
-    others: list[Any] = []  # models to turn off with their own eval()
-    for model in models:
-        tree = _tree(model)
-        if all(type(m).train is train and type(m).__setattr__ is setattr_ for m in tree):
-            direct.extend((m, m.training) for m in tree)
-            plain.extend(tree)
-        else:
-            flags.extend((m, m.training) for m in tree)
-            others.append(model)
-    for module in plain:
-        object.__setattr__(module, "training", False)
-    for model in others:
-        model.eval()
-    context = _inference_context(torch)
+                modules.append(child)
+    flags = [module.training for module in modules]
+    if direct:
+        for module in modules:
+            _write(module, "training", False)
+    else:
+        for model in models:
+            model.eval()
+    context = guard(True)
+    state = (context, modules, flags, direct)
     try:
         context.__enter__()
     except BaseException:
-        _restore(direct, flags)
+        _restore(state)
         raise
-    return InferenceState(context, direct, flags)
+    return state
 
 
-def _restore(direct: list[tuple[Any, bool]], flags: list[tuple[Any, bool]]) -> None:
-    for module, training in direct:
-        object.__setattr__(module, "training", training)
-    for module, training in flags:
-        module.training = training
+def _restore(state: InferenceState) -> None:
+    _, modules, flags, direct = state
+    if direct:
+        for module, training in zip(modules, flags, strict=True):
+            _write(module, "training", training)
+    else:
+        for module, training in zip(modules, flags, strict=True):
+            module.training = training
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
@@ -233,9 +249,9 @@ def exit_inference(state: Optional[InferenceState]) -> None:
     if state is None:
         return
     try:
-        state.context.__exit__(None, None, None)
+        state[0].__exit__(None, None, None)
     finally:
-        _restore(state.direct, state.flags)
+        _restore(state)
 
 
 # -- tensors ------------------------------------------------------------------------------------
