@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 SHARED, SAMPLES, ITEMS, MAPPING, SEQUENCE = "shared", "samples", "items", "mapping", "sequence"
 
@@ -48,6 +48,23 @@ def _shape_length(value: Any) -> Optional[int]:
         return int(dims[0])
     except (TypeError, ValueError):  # an unknown dimension (a symbolic TensorFlow shape)
         return None
+
+
+class _Field(str):
+    """A named tuple's field name in a :data:`Where`."""
+
+
+Where = Union[str, tuple[Any, Any]]
+"""Where a part sits in the batch, for messages: ``"batch"``, or ``(parent, key)`` (a key, an
+index or a :class:`_Field`); the text is built only when a message needs it."""
+
+
+def _where(where: Where) -> str:
+    suffixes = []
+    while isinstance(where, tuple):
+        where, key = where
+        suffixes.append(f".{key}" if isinstance(key, _Field) else f"[{key!r}]")
+    return where + "".join(reversed(suffixes))
 
 
 def _is_named_tuple(value: Any) -> bool:
@@ -77,16 +94,16 @@ class Plan:
         self.parts = parts
 
     @classmethod
-    def of(cls, value: Any, where: str = "batch") -> "Plan":
+    def of(cls, value: Any, where: Where = "batch") -> "Plan":
         """The plan of ``value``; ``ValueError`` when its per-sample parts disagree."""
         length = _shape_length(value)
         if length is not None:
             return cls(SAMPLES, length)
         if isinstance(value, Mapping):
-            parts = {key: cls.of(item, f"{where}[{key!r}]") for key, item in value.items()}
+            parts = {key: cls.of(item, (where, key)) for key, item in value.items()}
             return cls(MAPPING, _common(parts, where), parts)
         if _is_named_tuple(value):
-            parts = {i: cls.of(item, f"{where}.{name}")
+            parts = {i: cls.of(item, (where, _Field(name)))
                      for i, (name, item) in enumerate(zip(type(value)._fields, value, strict=True))}
             return cls(SEQUENCE, _common(parts, where), parts)
         if _is_plain_sequence(value):
@@ -94,8 +111,8 @@ class Plan:
         return cls(SHARED, None)
 
     @classmethod
-    def _sequence(cls, value: Any, where: str) -> "Plan":
-        parts = {i: cls.of(item, f"{where}[{i}]") for i, item in enumerate(value)}
+    def _sequence(cls, value: Any, where: Where) -> "Plan":
+        parts = {i: cls.of(item, (where, i)) for i, item in enumerate(value)}
         kinds = {p.kind for p in parts.values()}
         if kinds <= {SHARED}:
             return cls(ITEMS, len(value))  # strings, numbers: one item per sample
@@ -124,11 +141,11 @@ class Plan:
         return type(value)(items)
 
 
-def _common(parts: dict[Any, Plan], where: str) -> Optional[int]:
+def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
     lengths = {key: p.length for key, p in parts.items() if p.length is not None}
     if len(set(lengths.values())) > 1:
         listed = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
-        raise ValueError(f"the per-sample parts of {where} disagree on the "
+        raise ValueError(f"the per-sample parts of {_where(where)} disagree on the "
                          f"number of samples ({listed}); every tensor, array and per-sample "
                          f"list in a batch must have the same length along dim 0")
     return next(iter(lengths.values()), None)

@@ -246,24 +246,23 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
 
     With torch: enters ``torch.inference_mode()``, switches each ``torch.nn.Module`` to
     ``eval()``, and on exit (also on an exception) restores every submodule's own ``training``
-    flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's
-    allocator hands out, at a cost kept to about 0.1% of the time spent in blocks: a check
-    (microseconds) runs at the exit of a block once the blocks since the previous check have
-    run 1,000 times as long as that check took (:data:`CHECK_SHARE`: so every block of more
-    than ~13 ms, every few shorter ones, and always within :data:`MAX_GAP` seconds of
-    blocks), and on the first block and the first after a full collection memguard ran
-    (:func:`memguard.free_memory`, a scope's cleanup), against its own entry too. It compares with the
-    lower of the level the previous check left and, where the check was due on entry, the
-    block's entry; where a device is more than its tolerance above that (a reference cycle
-    holding outputs, from this block or the unchecked ones before it), it collects the young
-    generations, then in full if that did not free it, and empties that device's cache. What
-    a collection could not free (outputs the caller keeps) is the level from then on, and
-    collections that keep freeing nothing back off (skipping 1, 3, 7 ... 63 of them). A
-    cache that merely grew (activations freed into it) is left to the next forward, which
-    reuses it. On the host the reading is glibc's ``mallinfo2``, which walks every free
-    block of the heap: where it takes more than 0.1 ms twice running (a fragmented heap of
-    a long-running server) the resident set stands in for the next 10 s. ``"always"``
-    collects in full and empties every cache; ``"never"`` does neither.
+    flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's allocator
+    hands out, at a cost kept to about 0.1% of the time spent in blocks: a check (microseconds)
+    runs at the exit of a block once the blocks since the previous check have run 1,000 times as
+    long as that check took (:data:`CHECK_SHARE`: so every block of more than ~13 ms, every few
+    shorter ones, and always within :data:`MAX_GAP` seconds of blocks), and on the first block
+    and the first after a full collection memguard ran (:func:`memguard.free_memory`, a scope's
+    cleanup), against its own entry too. It compares with the lower of the level the previous
+    check left and, where the check was due on entry, the block's entry; where a device is more
+    than its tolerance above that (a reference cycle holding outputs, from this block or the
+    unchecked ones before it), it collects the young generations, then in full if that did not
+    free it, and empties that device's cache. What a collection could not free (outputs the
+    caller keeps) is the level from then on, and collections that keep freeing nothing back off
+    (skipping 1, 3, 7 ... 63 of them). A cache that merely grew (activations freed into it) is
+    left to the next forward, which reuses it. On the host the reading is glibc's ``mallinfo2``,
+    which walks every free block of the heap: where it takes more than 0.1 ms twice running (a
+    fragmented heap of a long-running server) the resident set stands in for the next 10 s.
+    ``"always"`` collects in full and empties every cache; ``"never"`` does neither.
     Without torch (a TensorFlow program) it only cleans up. Usable as ``with``, as
     ``@inference_mode`` and as ``@inference_mode(model)``; as a decorator it takes plain
     functions and methods (torch's inference mode belongs to a thread, so it cannot follow a

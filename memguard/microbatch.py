@@ -35,8 +35,19 @@ import contextlib
 import inspect
 import logging
 import math
+import time
 import weakref
-from typing import Any, Callable, Iterator, Literal, Optional, ParamSpec, Protocol, TypeVar
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Iterator,
+    Literal,
+    Optional,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+)
 
 from ._checks import optional_positive_int, renamed
 from ._decorate import function_kind, name_of, with_statistics
@@ -45,8 +56,20 @@ from ._slices import Plan, plan_batch
 from .backends import torch_distributed, torch_fsdp, torch_training as training
 from .cleanup import free_memory
 from .distributed import OK, Sync
-from .errors import OutOfMemoryError
-from .loop import NO_OPINION, Attempt, Factor, GuardState, Loop, Policy, Unit, exhausted
+from .errors import OutOfMemoryError, oom_kind
+from .loop import (
+    _NEST,
+    NO_OPINION,
+    Attempt,
+    Factor,
+    GuardState,
+    Loop,
+    Policy,
+    Unit,
+    _Nest,
+    exhausted,
+)
+from .sizes import Gauge
 
 log = logging.getLogger("memguard")
 P = ParamSpec("P")
@@ -104,6 +127,12 @@ class _Config:
         # FSDP's forward gathers parameters into tensors of its own: they are the graph's
         # leaves, not strangers to the model
         self.sharded = sharded
+        self.ddp = training.ddp_of(model)
+        self.refusal = (f"{self.name}() called optimizer.step() on the parameters "
+                        f"auto_microbatch accumulates gradients for: auto_microbatch runs "
+                        f"backward itself, in slices when the batch does not fit, so inside "
+                        f"the step function the gradients are absent or partial; call "
+                        f"optimizer.step() after the decorated function returns")
 
     def split_arguments(self, instance: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple,
                                                                                 dict]:
@@ -160,8 +189,8 @@ class _Step(Loop):
     peers: Literal["redo", "wait"] = "wait"
 
     def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
-        self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
-        self.samples = n = int(plan.length or 0)
+        self._prepare(cfg, state, batch, plan)
+        n = self.samples
         with state.lock:
             remembered = state.microbatch_size
             grow = (cfg.grow_every is not None and remembered is not None and remembered < n
@@ -174,22 +203,29 @@ class _Step(Loop):
             self.fallback, size = size, min(n, larger)
             log.info("%s: %d clean steps at microbatch_size=%d; trying %d", cfg.name,
                      state.clean_steps, self.fallback, size)
-        super().__init__(cfg.name, size, cfg.policy, owner=state)
-        with state.lock:
-            state.history = self.attempts
+        self._start(size)
+
+    def _prepare(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
+        """What a pass needs: the batch, the parameters trained, their gradients' state."""
+        self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
+        self.who = cfg.name
+        self.samples = self.size = int(plan.length or 0)
+        self.fallback = None
         self.params, self.slots = training.trained(cfg.model)
         self.shared = len(self.params)  # the model's own: what DDP averages
         self.known = {id(p) for p in self.params}  # and those found outside it
         self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
-        self.refusal = (f"{cfg.name}() called optimizer.step() on the parameters "
-                        f"auto_microbatch accumulates gradients for: auto_microbatch runs "
-                        f"backward itself, in slices when the batch does not fit, so inside "
-                        f"the step function the gradients are absent or partial; call "
-                        f"optimizer.step() after the decorated function returns")
         self.buffers: Optional[training.Buffers] = None
         self.entry: list[Any] = []
         self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
-        self.ddp = training.ddp_of(cfg.model)
+
+    def _start(self, size: int) -> None:
+        """The loop over the passes, from ``size``; the model's wrappers checked."""
+        cfg, state = self.cfg, self.state
+        super().__init__(cfg.name, size, cfg.policy, owner=state)
+        with state.lock:
+            state.history = self.attempts
+        self.ddp = cfg.ddp
         hooks = training.comm_hooks(self.ddp)
         if hooks:
             raise NotImplementedError(
@@ -198,7 +234,7 @@ class _Step(Loop):
                 f"run and averages them itself once per step, which would skip the hook "
                 f"silently. Register no hook on a model auto_microbatch steps, or step it "
                 f"without auto_microbatch")
-        world = torch_distributed.world()
+        world = torch_distributed.world() if self.ddp is not None else None
         if self.ddp is not None and self.agreement.active and world is not None \
                 and training.group_size(self.ddp) != world[1]:
             raise NotImplementedError(
@@ -212,18 +248,64 @@ class _Step(Loop):
             self.peers = "redo"
         self.told: Optional[tuple[int, int]] = None  # an agreement already made at a check
 
+    @classmethod
+    def whole(cls, cfg: _Config, state: _State, batch: Any, plan: Plan,
+              wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The call in the common case (see :func:`_whole_fits`): one pass over the whole
+        batch, with none of the loop's objects made unless it runs out of memory; then the
+        loop starts as if it had run this pass as its first attempt, and goes on from its
+        second. What runs, and what is recorded, is what :meth:`run` does."""
+        step = cls.__new__(cls)
+        step._prepare(cfg, state, batch, plan)  # noqa: SLF001 - its own class's
+        gauge = Gauge(cfg.name) if cfg.policy.factor == "auto" else None
+        if gauge is not None:
+            gauge.start()
+        gave_up: dict[Any, int] = {}  # what loops nested in the pass give up at
+        step.entry = training.stash(step.params)
+        failed = False
+        started = time.perf_counter()
+        try:
+            step.buffers = training.Buffers(step.slots)
+            started = time.perf_counter()
+            token = _NEST.set(_Nest((state,), gave_up))
+            try:
+                total = step._pass(wrapped, args, kwargs)  # noqa: SLF001 - its own class's
+            finally:
+                _NEST.reset(token)
+        except BaseException as exc:
+            if isinstance(exc, Exception) and oom_kind(exc) is not None:
+                step._start(step.samples)  # noqa: SLF001 - its own class's
+                step.gauge, step.gave_up, step.started = gauge, gave_up, started
+                # recorded, frames dropped, the next size proposed
+                failed = step._exit(exc)  # noqa: SLF001 - its own class's
+            if not failed:
+                training.restore(step.params, step.entry)
+                with state.lock:
+                    state.history = []
+                raise
+        if failed:
+            return step.run(wrapped, args, kwargs, resumed=True)
+        seconds = time.perf_counter() - started
+        training.merge(step.params, step.entry)
+        record = Attempt(size=step.samples, ok=True, unit=cls.unit, steps=1, seconds=seconds)
+        with state.lock:
+            state.history = [record]
+            state.clean_steps += 1
+        return total
+
     def slices(self) -> int:
         return math.ceil(self.samples / self.size)
 
     # -- FSDP2 -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _sharding(self) -> Iterator[None]:
+    def _sharding(self) -> ContextManager[None]:
         """While the passes run on an FSDP2 model: its gradient reduction held back and, in
         a job of several ranks, a check before each unit's all-gathers."""
+        return contextlib.nullcontext() if self.fsdp is None else self._sharded()
+
+    @contextlib.contextmanager
+    def _sharded(self) -> Iterator[None]:
         fsdp = self.fsdp
-        if fsdp is None:
-            yield
-            return
+        assert fsdp is not None
         fsdp.hold()
         if self.watching:
             fsdp.watch(self._check)
@@ -255,15 +337,20 @@ class _Step(Loop):
         return super()._agree(status, proposal)
 
     # -- the call --------------------------------------------------------------------------
-    def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self.entry = training.stash(self.params)
+    def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, *,
+            resumed: bool = False) -> Any:
+        """The passes, and what follows them; ``resumed``: after :meth:`whole`'s failed
+        pass (the gradients and buffers already set aside, no DDP or FSDP)."""
+        if not resumed:
+            self.entry = training.stash(self.params)
         fsdp = self.fsdp
         unsharded = fsdp.stash() if fsdp is not None else []
         total = None
         try:
             with training.local_gradients(self.ddp) as syncs, self._sharding():
                 self.syncs = syncs
-                self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
+                if not resumed:
+                    self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
@@ -331,7 +418,7 @@ class _Step(Loop):
 
     def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
         """The step function on one slice, its optimizers' steps on our parameters refused."""
-        token = training.refuse_steps(self.known, self.refusal)
+        token = training.refuse_steps(self.known, self.cfg.refusal)
         try:
             return wrapped(piece, *args, **kwargs)
         finally:
@@ -434,6 +521,22 @@ class _Step(Loop):
             if grew or (failed and self.size < self.samples):
                 self.state.microbatch_size = self.size
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
+
+
+def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
+    """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
+    with other ranks, not inside another guard's attempt, and no smaller size remembered."""
+    if cfg.ddp is not None or cfg.sharded or _NEST.get() is not None:
+        return False
+    sync = cfg.policy.sync
+    if sync is True:
+        return False
+    if sync is not False:
+        world = torch_distributed.world()
+        if world is not None and world[1] > 1:
+            return False
+    remembered = state.microbatch_size
+    return remembered is None or remembered >= (plan.length or 0)
 
 
 @renamed(min_size="min_batch_size")
@@ -572,6 +675,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
             with lock:  # one step at a time on a model: threads' gradients add up exactly
+                if _whole_fits(cfg, state, plan):
+                    return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
                 return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
 
         return with_statistics(

@@ -48,8 +48,8 @@ except ValueError as exc:
 except memguard.MemguardError as exc:
     broken_outcome = "MemguardError: " + str(exc)
 dist.destroy_process_group()
-print(json.dumps({"rank": rank, "result": result, "sizes": sizes,
-                  "again": len(train.history), "found": found, "broken": broken_outcome}))
+finish({"rank": rank, "result": result, "sizes": sizes,
+       "again": len(train.history), "found": found, "broken": broken_outcome})
 """
 
 

@@ -119,3 +119,40 @@ def test_training_under_a_budget_splits_once_and_ends_with_the_unbudgeted_weight
     assert out["diff"] < 1e-5, out
     assert out["error"] == "bad sample" and out["restored"]
     assert out["calls"] == [256, 128, 64, 64]
+
+
+AUTO = TRAINING.split("torch.manual_seed(0)\nmodel = Net()")[0] + """
+torch.manual_seed(0)
+model = Net()
+reference = copy.deepcopy(model)
+
+def whole(b):
+    F.mse_loss(reference(b["x"]), b["y"]).backward()
+train(reference, whole)
+memguard.free_memory()
+
+@memguard.auto_microbatch(model, factor="auto")
+def loss_of(b):
+    return F.mse_loss(model(b["x"]), b["y"])
+
+loss_of(batch(0, 4))
+model.zero_grad()
+memguard.free_memory()
+set_budget(200)
+sizes = []
+train(model, loss_of, sizes)
+lift_budget()
+diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+print(json.dumps({"sizes": sizes, "diff": diff}))
+"""
+
+
+def test_factor_auto_measures_the_first_pass_that_ran_out(python_in_subprocess):
+    # a batch that fits runs as one pass without the loop's objects; when that pass runs
+    # out of memory, the loop takes it over as its first attempt, measured: the next size
+    # comes from what the pass used (factor="auto"), not from halving
+    out = python_in_subprocess(script(AUTO), env=ENV, timeout=300)
+    first = out["sizes"][0]
+    assert first[0] == 256 and len(first) >= 2, out
+    assert first[1] not in (128, 256) and 64 <= first[1] < 256, out  # measured, not halved
+    assert out["diff"] < 1e-5, out

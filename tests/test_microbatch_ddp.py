@@ -106,8 +106,8 @@ grads_after_failure = [p.grad is None for p in model.parameters()]
 lift_budget()
 weights = [p.detach().tolist() for p in net.parameters()]
 dist.destroy_process_group()
-print(json.dumps({"rank": rank, "sizes": sizes, "losses": losses, "weights": weights,
-                  "broken": outcome, "grads_none": grads_after_failure}))
+finish({"rank": rank, "sizes": sizes, "losses": losses, "weights": weights,
+       "broken": outcome, "grads_none": grads_after_failure})
 """
 
 

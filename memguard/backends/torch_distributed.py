@@ -22,13 +22,24 @@ _groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 def world() -> Optional[tuple[int, int]]:
     """``(rank, world_size)`` of the initialised default process group, or ``None``."""
+    dist = _DIST[0] if _DIST else _distributed()
+    if dist is None or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+_DIST: list[Any] = []  # torch.distributed once torch is imported, None where unavailable
+
+
+def _distributed() -> Any:
+    """``torch.distributed`` where torch is imported and has it, else ``None`` (looked up
+    once: :func:`world` runs on every guarded call)."""
     if "torch" not in sys.modules:
         return None
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.get_rank(), dist.get_world_size()
+    _DIST[:] = [dist if dist.is_available() else None]
+    return _DIST[0]
 
 
 def _side_group() -> Any:
