@@ -81,8 +81,7 @@ def _microbatch(quick: bool) -> Result:
     a variant that ran after the naive recipe's ``malloc_trim`` paid the page faults of the
     memory it had given back."""
     runs, pairs = (1, 60) if quick else (3, 150)
-    code = STEP + """
-import json, statistics, time
+    ratios, peer_ms = _paired(STEP + """
 import memguard
 
 loss_of = memguard.auto_microbatch(model)(
@@ -92,6 +91,17 @@ def microbatched():
     loss_of((x, y))
     opt.step()
     opt.zero_grad()
+""", "microbatched", "step", runs, pairs)
+    ratio = statistics.median(ratios)
+    return Result("1e auto_microbatch step (fits)", ratio * peer_ms, peer_ms, "ms",
+                  "bare step", "<= 1.02x", ratio <= 1.02,
+                  "whole batch, no out-of-memory: the cost of being ready for one; median of "
+                  f"{runs} processes' medians of {pairs} paired ratios ("
+                  + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+
+
+PAIRED = """
+import json, statistics, time
 
 def timed(fn):
     start = time.perf_counter()
@@ -99,29 +109,31 @@ def timed(fn):
         fn()
     return time.perf_counter() - start
 
-for f in (step, microbatched):
+for f in ({bare}, {guarded}):
     f()
 ratios, peer = [], []
 for index in range({pairs}):
     if index % 2:
-        bare = timed(step)
-        guarded = timed(microbatched)
+        bare = timed({bare})
+        guarded = timed({guarded})
     else:
-        guarded = timed(microbatched)
-        bare = timed(step)
+        guarded = timed({guarded})
+        bare = timed({bare})
     ratios.append(guarded / bare)
     peer.append(bare / 5)
 print(json.dumps({{"ratio": statistics.median(ratios), "peer": statistics.median(peer)}}))
-""".format(pairs=pairs)
+"""
+
+
+def _paired(setup: str, guarded: str, bare: str, runs: int, pairs: int
+            ) -> tuple[list[float], float]:
+    """``runs`` processes each timing ``pairs`` adjacent pairs of 5-call rounds of the
+    functions ``setup`` names ``guarded`` and ``bare``, which goes first alternating: each
+    process's median ratio (sorted), and the median of the bare call's time in ms."""
+    code = setup + PAIRED.format(guarded=guarded, bare=bare, pairs=pairs)
     outs = [run_python(code) for _ in range(runs)]
     ratios = sorted(out["ratio"] for out in outs)
-    ratio = statistics.median(ratios)
-    peer_ms = statistics.median(out["peer"] for out in outs) * 1000
-    return Result("1e auto_microbatch step (fits)", ratio * peer_ms, peer_ms, "ms",
-                  "bare step", "<= 1.02x", ratio <= 1.02,
-                  "whole batch, no out-of-memory: the cost of being ready for one; median of "
-                  f"{runs} processes' medians of {pairs} paired ratios ("
-                  + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+    return ratios, statistics.median(out["peer"] for out in outs) * 1000
 
 
 FRAGMENT = "keep = [torch.ones(100 + i % 50) for i in range(20000)]\ndel keep[::2]\n"
@@ -169,8 +181,7 @@ def _inference(quick: bool, fragmented: bool) -> Result:
     live ones (a long-running server's), where glibc's ``mallinfo2`` takes milliseconds."""
     runs, pairs = (1, 60) if quick else (3, 200)
     setup = FRAGMENT if fragmented else ""
-    code = STEP + setup + """
-import json, statistics, time
+    ratios, peer_ms = _paired(STEP + setup + """
 import memguard
 
 def forward_no_grad():
@@ -180,31 +191,8 @@ def forward_no_grad():
 def forward_memguard():
     with memguard.inference_mode(model):
         model(x)
-
-def timed(fn):
-    start = time.perf_counter()
-    for _ in range(5):
-        fn()
-    return time.perf_counter() - start
-
-for f in (forward_no_grad, forward_memguard):
-    f()
-ratios, peer = [], []
-for index in range({pairs}):
-    if index % 2:
-        bare = timed(forward_no_grad)
-        guarded = timed(forward_memguard)
-    else:
-        guarded = timed(forward_memguard)
-        bare = timed(forward_no_grad)
-    ratios.append(guarded / bare)
-    peer.append(bare / 5)
-print(json.dumps({{"ratio": statistics.median(ratios), "peer": statistics.median(peer)}}))
-""".format(pairs=pairs)
-    outs = [run_python(code) for _ in range(runs)]
-    ratios = sorted(out["ratio"] for out in outs)
+""", "forward_memguard", "forward_no_grad", runs, pairs)
     ratio = statistics.median(ratios)
-    peer_ms = statistics.median(out["peer"] for out in outs) * 1000
     label = "1d inference_mode forward" + (" (fragmented heap)" if fragmented else "")
     return Result(label, ratio * peer_ms, peer_ms, "ms",
                   "torch.no_grad forward", "<= 1.02x", ratio <= 1.02,
