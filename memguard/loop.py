@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 import time
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 from ._checks import optional_positive_int, positive_int
@@ -311,6 +311,19 @@ def running() -> bool:
     return _NEST.get() is not None
 
 
+def enter_attempt(owner: Any, gave_up: dict[Any, int]) -> Token:
+    """Mark an attempt of ``owner``'s loop as running in this context (loops started inside
+    it nest; ``gave_up`` is the outermost call's record); :func:`leave_attempt` ends it."""
+    nest = _NEST.get()
+    owners = nest.owners if nest is not None else ()
+    return _NEST.set(_Nest(owners + (owner,), gave_up))
+
+
+def leave_attempt(token: Token) -> None:
+    """End what :func:`enter_attempt` started."""
+    _NEST.reset(token)
+
+
 # -- the loop ------------------------------------------------------------------------------------
 
 class Loop:
@@ -586,15 +599,13 @@ class AttemptBlock:
 
     def __enter__(self) -> AttemptBlock:
         loop = self.loop
-        nest = _NEST.get()
-        owners = nest.owners if nest is not None else ()
-        self._token = _NEST.set(_Nest(owners + (loop.owner,), loop.gave_up))
+        self._token = enter_attempt(loop.owner, loop.gave_up)
         loop._begin()  # noqa: SLF001 - the loop's own block
         return self
 
     def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
                  traceback: Any) -> bool:
-        _NEST.reset(self._token)
+        leave_attempt(self._token)
         return self.loop._exit(exc)  # noqa: SLF001 - the loop's own block
 
     def __repr__(self) -> str:

@@ -58,7 +58,6 @@ from .cleanup import free_memory
 from .distributed import OK, Sync
 from .errors import OutOfMemoryError, oom_kind
 from .loop import (
-    _NEST,
     NO_OPINION,
     Attempt,
     Factor,
@@ -66,8 +65,10 @@ from .loop import (
     Loop,
     Policy,
     Unit,
-    _Nest,
+    enter_attempt,
     exhausted,
+    leave_attempt,
+    running,
 )
 from .sizes import Gauge
 
@@ -267,11 +268,11 @@ class _Step(Loop):
         try:
             step.buffers = training.Buffers(step.slots)
             started = time.perf_counter()
-            token = _NEST.set(_Nest((state,), gave_up))
+            token = enter_attempt(state, gave_up)
             try:
                 total = step._pass(wrapped, args, kwargs)  # noqa: SLF001 - its own class's
             finally:
-                _NEST.reset(token)
+                leave_attempt(token)
         except BaseException as exc:
             if isinstance(exc, Exception) and oom_kind(exc) is not None:
                 step._start(step.samples)  # noqa: SLF001 - its own class's
@@ -526,7 +527,7 @@ class _Step(Loop):
 def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and no smaller size remembered."""
-    if cfg.ddp is not None or cfg.sharded or _NEST.get() is not None:
+    if cfg.ddp is not None or cfg.sharded or running():
         return False
     sync = cfg.policy.sync
     if sync is True:

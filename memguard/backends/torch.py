@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
@@ -189,11 +189,29 @@ def first_non_module(objects: tuple[Any, ...]) -> Optional[int]:
 _write = object.__setattr__
 
 
+def module_tree(models: Iterable[Any]) -> list[Any]:
+    """The models and their submodules, each once: what ``model.modules()`` yields, in
+    another order (breadth first), without the generators that build each one's dotted name.
+    """
+    out: list[Any] = []
+    seen: set[int] = set()
+    for model in models:
+        if id(model) not in seen:
+            seen.add(id(model))
+            out.append(model)
+    for module in out:  # grows while it is walked
+        for child in module._modules.values():  # noqa: SLF001 - the children, as modules() reads them
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+    return out
+
+
 def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     """Enter ``torch.inference_mode()`` and put every module in eval mode.
 
-    The models and their submodules, each once (what ``model.modules()`` yields, in another
-    order, without building each one's dotted name), have their ``training`` flags read;
+    The models and their submodules, each once (:func:`module_tree`), have their
+    ``training`` flags read;
     where every one keeps ``torch.nn.Module``'s ``train`` and ``__setattr__`` the flags are
     written directly (what ``eval()`` does, without its walk through ``Module.__setattr__``:
     ~10 us for a model of six modules), else each model gets its own ``eval()``. Returns
@@ -202,21 +220,13 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     if not models and "torch" not in sys.modules:
         return None
     _, train, setattr_, guard = _CLASSES or _classes()
-    modules: list[Any] = []
-    seen: set[int] = set()
-    for model in models:
-        if id(model) not in seen:
-            seen.add(id(model))
-            modules.append(model)
+    modules = module_tree(models)
     direct = True
-    for module in modules:  # grows while it is walked
+    for module in modules:
         cls = type(module)
-        if direct and (cls.train is not train or cls.__setattr__ is not setattr_):
+        if cls.train is not train or cls.__setattr__ is not setattr_:
             direct = False
-        for child in module._modules.values():  # noqa: SLF001 - the children, as modules() reads them
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                modules.append(child)
+            break
     flags = [module.training for module in modules]
     if direct:
         for module in modules:

@@ -17,6 +17,7 @@ from contextvars import ContextVar, Token
 from typing import Any, ContextManager, Iterator, Optional
 
 from .._locks import ForkSafeLock
+from .torch import module_tree
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket size: the most the averaging concatenates
 
@@ -37,12 +38,12 @@ Slot = tuple[Any, str, Any]
 
 def trained(model: Any) -> tuple[list[Any], list[Slot]]:
     """In one walk over ``model``'s modules: the parameters that take gradients (each once,
-    in ``model.parameters()`` order) and the persistent buffers (those the ``state_dict``
+    in the same order on every rank) and the persistent buffers (those the ``state_dict``
     holds: BatchNorm's running statistics and batch count)."""
     params: list[Any] = []
     slots: list[Slot] = []
     seen: set[int] = set()
-    for module in _modules(model):
+    for module in module_tree((model,)):
         for p in module._parameters.values():  # noqa: SLF001 - one walk for both
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
@@ -54,23 +55,6 @@ def trained(model: Any) -> tuple[list[Any], list[Slot]]:
             slots.extend((module, name, b) for name, b in buffers.items()
                          if b is not None and name not in skip)
     return params, slots
-
-
-def _modules(model: Any) -> list[Any]:
-    """What ``model.modules()`` yields, in that order (depth first, each module once),
-    without the generators that build each one's dotted name."""
-    out: list[Any] = []
-    seen: set[int] = set()
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        out.append(module)
-        children = [c for c in module._modules.values() if c is not None]  # noqa: SLF001 - as modules() reads them
-        stack.extend(reversed(children))
-    return out
 
 
 def stash(params: list[Any]) -> list[Any]:
