@@ -96,6 +96,9 @@ class Plan:
     @classmethod
     def of(cls, value: Any, where: Where = "batch") -> "Plan":
         """The plan of ``value``; ``ValueError`` when its per-sample parts disagree."""
+        kind = type(value)
+        if kind is tuple or kind is list:  # the common containers first: no shape to look up
+            return cls._sequence(value, where)
         length = _shape_length(value)
         if length is not None:
             return cls(SAMPLES, length)
@@ -112,13 +115,18 @@ class Plan:
 
     @classmethod
     def _sequence(cls, value: Any, where: Where) -> "Plan":
-        parts = {i: cls.of(item, (where, i)) for i, item in enumerate(value)}
-        kinds = {p.kind for p in parts.values()}
+        parts: dict[Any, Plan] = {}
+        kinds: set[str] = set()
+        lengths: set[int] = set()
+        for i, item in enumerate(value):  # one loop: this runs at every guarded step
+            part = parts[i] = cls.of(item, (where, i))
+            kinds.add(part.kind)
+            if part.length is not None:
+                lengths.add(part.length)
         if kinds <= {SHARED}:
             return cls(ITEMS, len(value))  # strings, numbers: one item per sample
         if isinstance(value, list) and (kinds == {MAPPING} or kinds == {ITEMS}):
             return cls(ITEMS, len(value))  # one dict (or one token list) per sample
-        lengths = {p.length for p in parts.values() if p.length is not None}
         if len(lengths) == 1:
             return cls(SEQUENCE, lengths.pop(), parts)
         if isinstance(value, list) and SHARED not in kinds:

@@ -114,6 +114,7 @@ class _Config:
                  grow_every: Optional[int], scaler: Any, sharded: bool,
                  weight: Optional[Callable[[Any], Any]] = None) -> None:
         self.name = name_of(func)
+        self.called = f"{self.name}()"
         target = getattr(func, "__func__", func)
         self.names = list(inspect.signature(target).parameters)
         if not self.names:
@@ -129,6 +130,9 @@ class _Config:
         # leaves, not strangers to the model
         self.sharded = sharded
         self.ddp = training.ddp_of(model)
+        self.walked = training.Walked(model)  # the model's parameters, kept between calls
+        # no DDP or FSDP model, and no agreement asked for: a call may take _Step.whole
+        self.alone = self.ddp is None and not sharded and policy.sync is not True
         self.refusal = (f"{self.name}() called optimizer.step() on the parameters "
                         f"auto_microbatch accumulates gradients for: auto_microbatch runs "
                         f"backward itself, in slices when the batch does not fit, so inside "
@@ -153,10 +157,30 @@ class _State(GuardState):
     the model it has warned about."""
 
     def __init__(self) -> None:
+        # the last call's attempts; (size, seconds) when it ran whole (see ran_whole)
+        self._last: "list[Attempt] | tuple[int, float]" = []
         super().__init__()
         # the parameters outside the model warned about, by id
         self.warned: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.warned_other = False  # a tensor outside that is not a parameter (an input)
+
+    @property  # type: ignore[override]
+    def history(self) -> list[Attempt]:
+        last = self._last
+        if isinstance(last, tuple):  # its record, made when asked for
+            size, seconds = last
+            return [Attempt(size=size, ok=True, unit="microbatch", steps=1, seconds=seconds)]
+        return last
+
+    @history.setter
+    def history(self, attempts: list[Attempt]) -> None:
+        self._last = attempts
+
+    def ran_whole(self, size: int, seconds: float) -> None:
+        """Record a call that ran the whole batch in one pass (the caller holds the model's
+        lock, which serialises every writer but :meth:`reset`)."""
+        self._last = (size, seconds)
+        self.clean_steps += 1
 
     def forget(self) -> None:
         self.microbatch_size: Optional[int] = None
@@ -206,15 +230,21 @@ class _Step(Loop):
                      state.clean_steps, self.fallback, size)
         self._start(size)
 
-    def _prepare(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
-        """What a pass needs: the batch, the parameters trained, their gradients' state."""
+    def _prepare(self, cfg: _Config, state: _State, batch: Any, plan: Plan,
+                 found: Optional[tuple[list[Any], list[training.Slot], set[int], int]] = None
+                 ) -> None:
+        """What a pass needs: the batch, the parameters trained, their gradients' state;
+        ``found``: the parameters, buffers, known ids and the model's own count, where
+        :meth:`whole` found them."""
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
         self.fallback = None
-        self.params, self.slots = training.trained(cfg.model)
-        self.shared = len(self.params)  # the model's own: what DDP averages
-        self.known = {id(p) for p in self.params}  # and those found outside it
+        if found is None:
+            params, slots = training.trained(cfg.model)
+            found = params, slots, {id(p) for p in params}, len(params)
+        # the model's own parameters (what DDP averages) and those found outside it, by id
+        self.params, self.slots, self.known, self.shared = found
         self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
         self.buffers: Optional[training.Buffers] = None
         self.entry: list[Any] = []
@@ -255,44 +285,58 @@ class _Step(Loop):
         """The call in the common case (see :func:`_whole_fits`): one pass over the whole
         batch, with none of the loop's objects made unless it runs out of memory; then the
         loop starts as if it had run this pass as its first attempt, and goes on from its
-        second. What runs, and what is recorded, is what :meth:`run` does."""
-        step = cls.__new__(cls)
-        step._prepare(cfg, state, batch, plan)  # noqa: SLF001 - its own class's
+        second. What runs, and what is recorded, is what :meth:`run` does (its steps written
+        out here, and the model's walk kept between calls: this runs at every step)."""
+        started = time.perf_counter()
+        walked = cfg.walked.get(started)
+        params, known = walked.params, walked.known
         gauge = Gauge(cfg.name) if cfg.policy.factor == "auto" else None
         if gauge is not None:
             gauge.start()
         gave_up: dict[Any, int] = {}  # what loops nested in the pass give up at
-        step.entry = training.stash(step.params)
-        failed = False
-        started = time.perf_counter()
+        entry = training.stash(params)
+        buffers = None
         try:
-            step.buffers = training.Buffers(step.slots)
-            started = time.perf_counter()
+            if walked.slots:
+                buffers = training.Buffers(walked.slots)
+                started = time.perf_counter()
             token = enter_attempt(state, gave_up)
             try:
-                total = step._pass(wrapped, args, kwargs)  # noqa: SLF001 - its own class's
+                refused = training.refuse_steps(known, cfg.refusal)
+                try:
+                    loss = wrapped(batch, *args, **kwargs)
+                finally:
+                    training.allow_steps(refused)
+                training.check_loss(loss, cfg.called)
+                _gradients_untouched(cfg, params, None)
+                found = training.outside(loss, known)
+                if found:
+                    params, entry, known = _adopt(cfg, state, found, params, entry, known)
+                total = training.backward(loss, 1.0, cfg.scaler, None)
             finally:
                 leave_attempt(token)
         except BaseException as exc:
-            if isinstance(exc, Exception) and oom_kind(exc) is not None:
-                step._start(step.samples)  # noqa: SLF001 - its own class's
-                step.gauge, step.gave_up, step.started = gauge, gave_up, started
-                # recorded, frames dropped, the next size proposed
-                failed = step._exit(exc)  # noqa: SLF001 - its own class's
-            if not failed:
-                training.restore(step.params, step.entry)
-                with state.lock:
-                    state.history = []
+            if not (isinstance(exc, Exception) and oom_kind(exc) is not None):
+                training.restore(params, entry)
+                state.history = []
                 raise
-        if failed:
-            return step.run(wrapped, args, kwargs, resumed=True)
-        seconds = time.perf_counter() - started
-        training.merge(step.params, step.entry)
-        record = Attempt(size=step.samples, ok=True, unit=cls.unit, steps=1, seconds=seconds)
-        with state.lock:
-            state.history = [record]
-            state.clean_steps += 1
-        return total
+            step = cls.__new__(cls)
+            step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
+                          (list(params), walked.slots, set(known), len(walked.params)))
+            step.entry, step.buffers = entry, buffers
+            step._start(step.samples)  # noqa: SLF001 - its own class's
+            step.gauge, step.gave_up, step.started = gauge, gave_up, started
+            # recorded, frames dropped, the next size proposed
+            if not step._exit(exc):  # noqa: SLF001 - its own class's
+                training.restore(params, entry)
+                state.history = []
+                raise
+        else:
+            seconds = time.perf_counter() - started
+            training.merge(params, entry)
+            state.ran_whole(plan.length, seconds)
+            return total
+        return step.run(wrapped, args, kwargs, resumed=True)
 
     def slices(self) -> int:
         return math.ceil(self.samples / self.size)
@@ -394,7 +438,7 @@ class _Step(Loop):
                 # nothing in this slice that the loss averages over (every label -100): it
                 # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
                 # may be (FSDP runs it anyway: every rank must join backward's collectives)
-                training.check_loss(loss, f"{self.who}()")
+                training.check_loss(loss, cfg.called)
                 continue
             total = self._backward(loss, weight, total, stop == n)
         return total
@@ -426,59 +470,17 @@ class _Step(Loop):
             training.allow_steps(token)
 
     def _backward(self, loss: Any, weight: float, total: Any, last: bool) -> Any:
-        training.check_loss(loss, f"{self.who}()")
-        self._check_gradients()
+        training.check_loss(loss, self.cfg.called)
+        _gradients_untouched(self.cfg, self.params, self.marks)
         if not self.cfg.sharded:
-            self._look_outside(loss)
+            found = training.outside(loss, self.known)
+            if found:
+                self.params, self.entry, self.known = _adopt(
+                    self.cfg, self.state, found, self.params, self.entry, self.known)
         total = training.backward(loss, weight, self.cfg.scaler, total)
         if not last:
             self.marks = training.grad_marks(self.params)
         return total
-
-    def _check_gradients(self) -> None:
-        """The gradients are as memguard's last backward left them, or a clear error."""
-        appeared, vanished, modified = training.grads_changed(self.params, self.marks)
-        if not (appeared or vanished or modified):
-            return
-        if vanished:
-            what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
-        elif appeared and self.marks is None:
-            what = "gradients were written before memguard's backward: a backward() of its own"
-        else:
-            what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
-                    "False), or clipping")
-        raise RuntimeError(
-            f"{self.cfg.name}() changed the gradients of {appeared + vanished + modified} of "
-            f"the {len(self.params)} tensors auto_microbatch accumulates gradients for ({what}). "
-            f"auto_microbatch runs backward itself, once per slice, and the step function "
-            f"must only return the loss: call zero_grad(), clip_grad_norm_() and "
-            f"optimizer.step() after the decorated function returns")
-
-    def _look_outside(self, loss: Any) -> None:
-        """Before each backward: tensors outside the model that backward writes gradients
-        into are set aside with the model's, so that a failed pass's share of them is
-        dropped too (a walk of the loss's graph, on every call: a tensor may first take part
-        in a later call or a later slice)."""
-        found = training.outside(loss, self.known)
-        if not found:
-            return
-        self.params += found
-        self.entry += training.stash(found)
-        with self.state.lock:
-            new = [t for t in found
-                   if training.is_parameter(t) and id(t) not in self.state.warned]
-            self.state.warned.update((id(t), t) for t in new)
-            other = [t for t in found if not training.is_parameter(t)]
-            if other and not self.state.warned_other:
-                self.state.warned_other = True
-                new += other
-        if not new:
-            return
-        log.warning("%s: backward writes gradients into %d tensor(s) outside the model given "
-                    "to auto_microbatch (%s): memguard handles them too, but pass a module "
-                    "that holds every trained parameter (torch.nn.ModuleList([model, head]))",
-                    self.cfg.name, len(new),
-                    ", ".join(training.describe(t) for t in new[:4]))
 
     # -- the loop's hooks ------------------------------------------------------------------
     def steps(self) -> int:
@@ -524,15 +526,65 @@ class _Step(Loop):
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
+def _gradients_untouched(cfg: _Config, params: list[Any],
+                         marks: Optional[list[Optional[tuple[Any, int]]]]) -> None:
+    """The gradients are as memguard's last backward left them (``marks``; ``None``: all
+    set aside), or a clear error."""
+    appeared, vanished, modified = training.grads_changed(params, marks)
+    if not (appeared or vanished or modified):
+        return
+    if vanished:
+        what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
+    elif appeared and marks is None:
+        what = "gradients were written before memguard's backward: a backward() of its own"
+    else:
+        what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
+                "False), or clipping")
+    raise RuntimeError(
+        f"{cfg.called} changed the gradients of {appeared + vanished + modified} of "
+        f"the {len(params)} tensors auto_microbatch accumulates gradients for ({what}). "
+        f"auto_microbatch runs backward itself, once per slice, and the step function "
+        f"must only return the loss: call zero_grad(), clip_grad_norm_() and "
+        f"optimizer.step() after the decorated function returns")
+
+
+def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
+           entry: list[Any], known: "set[int] | frozenset[int]"
+           ) -> tuple[list[Any], list[Any], set[int]]:
+    """Tensors that backward is about to write gradients into and that were not set aside
+    on entry (found by a walk of the loss's graph before each backward, on every call: a
+    tensor may first take part in a later call or a later slice): set aside now with the
+    others, so that a failed pass's share of them is dropped too. Returns the parameters,
+    their entry gradients and the known ids, each with them added.
+
+    A parameter the model holds (registered after the model's walk was kept, or set to
+    require grad since) passes in silence; a warning names each tensor outside the model
+    not warned about before (parameters, and the first other tensor: an input)."""
+    cfg.walked.refresh(time.perf_counter())
+    strangers = [t for t in found if id(t) not in cfg.walked.known]
+    with state.lock:
+        new = [t for t in strangers
+               if training.is_parameter(t) and id(t) not in state.warned]
+        state.warned.update((id(t), t) for t in new)
+        other = [t for t in strangers if not training.is_parameter(t)]
+        if other and not state.warned_other:
+            state.warned_other = True
+            new += other
+    if new:
+        log.warning("%s: backward writes gradients into %d tensor(s) outside the model given "
+                    "to auto_microbatch (%s): memguard handles them too, but pass a module "
+                    "that holds every trained parameter (torch.nn.ModuleList([model, head]))",
+                    cfg.name, len(new), ", ".join(training.describe(t) for t in new[:4]))
+    return (params + found, entry + training.stash(found),
+            set(known).union(id(t) for t in found))
+
+
 def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and no smaller size remembered."""
-    if cfg.ddp is not None or cfg.sharded or running():
+    if not cfg.alone or running():
         return False
-    sync = cfg.policy.sync
-    if sync is True:
-        return False
-    if sync is not False:
+    if cfg.policy.sync is not False:
         world = torch_distributed.world()
         if world is not None and world[1] > 1:
             return False
@@ -671,7 +723,10 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         lock = _model_lock(model)
 
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-            batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
+            if args:  # the batch first, as in split_arguments
+                batch, rest, kw = args[0], args[1:], kwargs
+            else:
+                batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
             plan = plan_batch(batch)
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")

@@ -32,14 +32,14 @@ def parameters(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-Slot = tuple[Any, str, Any]
-"""A buffer where its module holds it: ``(module, name, buffer)``."""
+Slot = tuple[Any, str]
+"""A persistent buffer by where its module holds it: ``(module, name)``."""
 
 
 def trained(model: Any) -> tuple[list[Any], list[Slot]]:
     """In one walk over ``model``'s modules: the parameters that take gradients (each once,
-    in the same order on every rank) and the persistent buffers (those the ``state_dict``
-    holds: BatchNorm's running statistics and batch count)."""
+    in the same order on every rank) and where the persistent buffers are (those the
+    ``state_dict`` holds: BatchNorm's running statistics and batch count)."""
     params: list[Any] = []
     slots: list[Slot] = []
     seen: set[int] = set()
@@ -52,16 +52,81 @@ def trained(model: Any) -> tuple[list[Any], list[Slot]]:
         buffers = module._buffers  # noqa: SLF001 - with their owner and persistence
         if buffers:
             skip = module._non_persistent_buffers_set  # noqa: SLF001 - what state_dict skips
-            slots.extend((module, name, b) for name, b in buffers.items()
+            slots.extend((module, name) for name, b in buffers.items()
                          if b is not None and name not in skip)
     return params, slots
+
+
+REWALK = 1.0
+"""Seconds after which :class:`Walked` walks a model again even though torch's registration
+hooks saw no change (a module or parameter written into a module's dictionaries directly)."""
+
+_GENERATION = [0]  # bumped whenever any module registers a parameter, buffer or submodule
+_HOOKED: list[Any] = []  # the registration hooks' handles, once registered
+
+
+def _changed(*_: Any) -> None:
+    _GENERATION[0] += 1
+
+
+class Walked:
+    """:func:`trained` for one model, kept between steps: walked again when any module
+    registers a parameter, buffer or submodule through torch's API (assignment included:
+    torch's global registration hooks count them) and at least every :data:`REWALK`
+    seconds. ``known`` holds the parameters' ids.
+
+    What a kept walk can miss is taken care of where it matters: buffers are read from their
+    modules at each step (:class:`Buffers`), a parameter missing from ``params`` is a leaf
+    the loss's graph walk finds (:func:`outside`, and :meth:`refresh` tells it from a tensor
+    outside the model), and one no longer in the model only has its (absent) gradient moved
+    aside and back.
+    """
+
+    __slots__ = ("model", "generation", "until", "params", "slots", "known")
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.generation = -1
+        self.until = 0.0
+        self.params: list[Any] = []
+        self.slots: list[Slot] = []
+        self.known: frozenset[int] = frozenset()
+
+    def get(self, now: float) -> "Walked":
+        """Itself, walked again if a change was seen or :data:`REWALK` seconds passed
+        since ``now`` (``time.perf_counter()``) last walked it."""
+        if self.generation != _GENERATION[0] or now >= self.until:
+            self.refresh(now)
+        return self
+
+    def refresh(self, now: float) -> None:
+        """Walk the model now."""
+        if not _HOOKED:
+            _hook()
+        self.generation = _GENERATION[0]  # before the walk: a change during it walks again
+        self.params, self.slots = trained(self.model)
+        self.known = frozenset(id(p) for p in self.params)
+        self.until = now + REWALK
+
+
+def _hook() -> None:
+    """Register the global hooks that count registrations (once per process)."""
+    from torch.nn.modules import module
+
+    with _HOOK_LOCK:
+        if not _HOOKED:
+            _HOOKED.extend(register(_changed) for register in (
+                module.register_module_parameter_registration_hook,
+                module.register_module_buffer_registration_hook,
+                module.register_module_module_registration_hook))
 
 
 def stash(params: list[Any]) -> list[Any]:
     """Move each parameter's gradient aside; the parameters are left with none."""
     saved = [p.grad for p in params]
-    for p in params:
-        p.grad = None
+    if saved.count(None) != len(saved):
+        for p in params:
+            p.grad = None
     return saved
 
 
@@ -79,9 +144,9 @@ def restore(params: list[Any], saved: list[Any]) -> None:
 
 def merge(params: list[Any], saved: list[Any]) -> None:
     """Each parameter's gradient becomes stashed + new (in the stashed tensor)."""
-    pairs = [(p, old) for p, old in zip(params, saved, strict=True) if old is not None]
-    if not pairs:  # nothing stashed (zero_grad(set_to_none=True) before the step)
+    if saved.count(None) == len(saved):  # nothing stashed (zero_grad() before the step)
         return
+    pairs = [(p, old) for p, old in zip(params, saved, strict=True) if old is not None]
     import torch
 
     with torch.no_grad():
@@ -107,26 +172,38 @@ def check_loss(loss: Any, who: str) -> None:
                            f"detached?")
 
 
-def outside(loss: Any, known: set[int]) -> list[Any]:
+def outside(loss: Any, known: "set[int] | frozenset[int]") -> list[Any]:
     """The leaf tensors that backward of ``loss`` writes gradients into and whose ``id`` is
-    not in ``known`` (a head kept out of the model, an input that requires grad); their ids
-    are added to ``known``. One walk of the graph: well under a microsecond per node."""
+    not in ``known`` (a head kept out of the model, an input that requires grad), each
+    once. One walk of the graph: well under a microsecond per node."""
+    root = loss.grad_fn
+    if root is None:  # the loss is itself a leaf: backward writes into it
+        return [] if id(loss) in known else [loss]
     found: list[Any] = []
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    push = stack.append
+    leaf = _ACCUMULATE[0] if _ACCUMULATE else _accumulate_type()
+    seen = {root}
+    stack = [root]
     while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in known:
-            known.add(id(variable))
-            found.append(variable)
-        for fn, _ in node.next_functions:
-            push(fn)
+        for node, _ in stack.pop().next_functions:
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node) is not leaf:
+                stack.append(node)
+            elif id(node.variable) not in known:  # the leaf an AccumulateGrad writes into
+                found.append(node.variable)
     return found
+
+
+_ACCUMULATE: list[type] = []
+
+
+def _accumulate_type() -> type:
+    """The Python type of autograd's ``AccumulateGrad`` nodes (the graph's leaves)."""
+    import torch
+
+    _ACCUMULATE[:] = [torch._C._functions.AccumulateGrad]  # noqa: SLF001 - no public name
+    return _ACCUMULATE[0]
 
 
 def is_parameter(tensor: Any) -> bool:
@@ -142,8 +219,8 @@ def describe(tensor: Any) -> str:
 
 
 class Buffers:
-    """A copy of a model's persistent buffers (the ``slots`` from :func:`trained`), to put
-    back after a failed forward moved them.
+    """A copy of a model's persistent buffers (where :func:`trained`'s ``slots`` say they
+    are, read there now), to put back after a failed forward moved them.
 
     The copy is one flat tensor per device and dtype: a few kernel launches, whatever the
     number of buffers, and as many bytes as the buffers hold.
@@ -152,7 +229,9 @@ class Buffers:
     def __init__(self, slots: list[Slot]) -> None:
         import torch
 
-        self.slots = slots  # the buffers on entry, where their modules hold them
+        # the buffers on entry, where their modules hold them
+        self.slots = [(module, name, buffer) for module, name in slots
+                      if (buffer := module._buffers.get(name)) is not None]  # noqa: SLF001
         groups: dict[tuple, list[Any]] = {}
         seen: set[int] = set()  # a buffer that two modules share is copied once
         for _, _, buffer in self.slots:
@@ -204,7 +283,11 @@ def grads_changed(params: list[Any], marks: Optional[list[Optional[tuple[Any, in
     """How the gradients changed since ``marks`` (``None``: since they were all dropped):
     ``(appeared, vanished, modified)`` counts of parameters."""
     if marks is None:
-        return sum(p.grad is not None for p in params), 0, 0
+        appeared = 0
+        for p in params:
+            if p.grad is not None:
+                appeared += 1
+        return appeared, 0, 0
     appeared = vanished = modified = 0
     for p, mark in zip(params, marks, strict=False):  # params may have grown since
         g = p.grad
