@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, ContextManager, SupportsIndex, TypeVar
+import types
+from typing import Any, Callable, ContextManager, Optional, SupportsIndex, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -19,7 +20,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 @functools.lru_cache(maxsize=None)
 def _wrapper_classes() -> tuple[type, type]:
     """``wrapt``'s function wrappers made to pickle and copy as functions and methods do
-    (``wrapt`` is imported on first use, keeping ``import memguard`` light)."""
+    (``wrapt`` is imported on first use, keeping ``import memguard`` light): the wrapper
+    and its bound form."""
     import wrapt
 
     def copy(self: Any, memo: Any = None) -> Any:
@@ -43,6 +45,21 @@ def _wrapper_classes() -> tuple[type, type]:
         __copy__ = __deepcopy__ = copy
 
     return Wrapper, Bound
+
+
+def _wrap(func: Any, wrapper: Callable[..., Any], name: str,
+          members: Optional[dict[str, Any]] = None) -> Any:
+    """``func`` wrapped, in a wrapper class of its own (``name``) holding ``members``. A
+    plain function is called straight through its wrapper: wrapt's call first looks up the
+    function's ``__self__`` (for a bound method wrapped as such), an ``AttributeError``
+    raised and caught at every call."""
+    members = dict(members or {})
+    if isinstance(func, types.FunctionType):
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(func, None, args, kwargs)
+
+        members["__call__"] = call
+    return type(name, (_wrapper_classes()[0],), members)(func, wrapper)
 
 
 def function_kind(func: Any) -> str:
@@ -93,7 +110,7 @@ def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
         def wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
             with context():
                 return wrapped(*args, **kwargs)
-    return _wrapper_classes()[0](func, wrapper)
+    return _wrap(func, wrapper, "Guarded")
 
 
 def name_of(func: Any) -> str:
@@ -123,7 +140,7 @@ def with_statistics(func: Any, wrapper: Callable[..., Any],
     >>> f(-3), f.calls
     (3, 1)
     """
-    unbound_base, bound_base = _wrapper_classes()
+    bound_base = _wrapper_classes()[1]
 
     def reset_method(self: Any) -> None:
         reset()
@@ -134,5 +151,4 @@ def with_statistics(func: Any, wrapper: Callable[..., Any],
     members["reset"] = reset_method
     bound = type("BoundWithStatistics", (bound_base,), dict(members))
     members["__bound_function_wrapper__"] = bound
-    unbound = type("FunctionWithStatistics", (unbound_base,), members)
-    return unbound(func, wrapper)
+    return _wrap(func, wrapper, "FunctionWithStatistics", members)

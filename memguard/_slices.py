@@ -86,12 +86,35 @@ class Plan:
     {'x': [[3, 4], [5, 6]], 'name': ['b', 'c'], 'lr': 0.1}
     """
 
-    __slots__ = ("kind", "length", "parts")
+    __slots__ = ("kind", "length", "parts", "flat")
 
     def __init__(self, kind: str, length: Optional[int], parts: Any = None) -> None:
         self.kind = kind
         self.length = length
         self.parts = parts
+        # a tuple, list or mapping (its type) whose parts are all array-likes: see fits
+        self.flat: Optional[type] = None
+
+    def fits(self, value: Any) -> bool:
+        """Whether this plan, made for an array-like or a flat container (:attr:`flat`), is
+        also ``value``'s: an array-like of the same length, or a container of the same type
+        and keys holding array-likes of that length (a training loop's next batch). Checked
+        without making objects; ``False`` is no verdict (make the plan)."""
+        if self.kind == SAMPLES:
+            return _shape_length(value) == self.length
+        flat = self.flat
+        if flat is None or type(value) is not flat or len(value) != len(self.parts):
+            return False
+        length = self.length
+        if self.kind == MAPPING:
+            for key, part in zip(value, self.parts, strict=True):
+                if key != part or _shape_length(value[key]) != length:
+                    return False
+            return True
+        for item in value:
+            if _shape_length(item) != length:
+                return False
+        return True
 
     @classmethod
     def of(cls, value: Any, where: Where = "batch") -> "Plan":
@@ -101,10 +124,10 @@ class Plan:
             return cls._sequence(value, where)
         length = _shape_length(value)
         if length is not None:
-            return cls(SAMPLES, length)
+            return _SAMPLES.get(length) or _samples(length)
         if isinstance(value, Mapping):
             parts = {key: cls.of(item, (where, key)) for key, item in value.items()}
-            return cls(MAPPING, _common(parts, where), parts)
+            return cls(MAPPING, _common(parts, where), parts)._flat(value)
         if _is_named_tuple(value):
             parts = {i: cls.of(item, (where, _Field(name)))
                      for i, (name, item) in enumerate(zip(type(value)._fields, value, strict=True))}
@@ -119,7 +142,9 @@ class Plan:
         kinds: set[str] = set()
         lengths: set[int] = set()
         for i, item in enumerate(value):  # one loop: this runs at every guarded step
-            part = parts[i] = cls.of(item, (where, i))
+            length = _shape_length(item)
+            part = parts[i] = (cls.of(item, (where, i)) if length is None
+                               else _SAMPLES.get(length) or _samples(length))
             kinds.add(part.kind)
             if part.length is not None:
                 lengths.add(part.length)
@@ -128,10 +153,16 @@ class Plan:
         if isinstance(value, list) and (kinds == {MAPPING} or kinds == {ITEMS}):
             return cls(ITEMS, len(value))  # one dict (or one token list) per sample
         if len(lengths) == 1:
-            return cls(SEQUENCE, lengths.pop(), parts)
+            return cls(SEQUENCE, lengths.pop(), parts)._flat(value)
         if isinstance(value, list) and SHARED not in kinds:
             return cls(ITEMS, len(value))  # one tensor per sample (ragged sequences)
         return cls(SEQUENCE, _common(parts, where), parts)
+
+    def _flat(self, value: Any) -> "Plan":
+        """Itself, marked :attr:`flat` where every part is an array-like."""
+        if self.length is not None and all(p.kind == SAMPLES for p in self.parts.values()):
+            self.flat = type(value)
+        return self
 
     def cut(self, value: Any, start: int, stop: int) -> Any:
         """``value``'s samples ``start:stop``, shared parts as they are."""
@@ -147,6 +178,17 @@ class Plan:
         if _is_named_tuple(value):
             return type(value)(*items)
         return type(value)(items)
+
+
+_SAMPLES: dict[int, Plan] = {}  # plans of array-likes, by length: one object each
+
+
+def _samples(length: int) -> Plan:
+    """The plan of an array-like of ``length`` samples (plans are never changed: shared)."""
+    plan = Plan(SAMPLES, length)
+    if len(_SAMPLES) < 4096:
+        _SAMPLES[length] = plan
+    return plan
 
 
 def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
@@ -177,12 +219,15 @@ def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
                         f"its slices ({exc}); pass the batch as a dict") from exc
 
 
-def plan_batch(batch: Any) -> Plan:
-    """The plan of a whole batch: ``TypeError`` when nothing in it is per-sample.
+def plan_batch(batch: Any, last: Optional[Plan] = None) -> Plan:
+    """The plan of a whole batch: ``TypeError`` when nothing in it is per-sample; ``last``,
+    the previous batch's plan, when it :meth:`~Plan.fits` this one.
 
     >>> plan_batch([1, 2, 3]).length
     3
     """
+    if last is not None and last.fits(batch):
+        return last
     plan = Plan.of(batch)
     if plan.length is None:
         raise TypeError(f"memguard cannot split a batch of type "

@@ -285,19 +285,14 @@ class Policy:
 
 # -- nesting -------------------------------------------------------------------------------------
 
-class _Nest:
-    """The loops running in one context, outermost first (each by its owner), and the size at
-    which each owner gave up during the outermost call."""
+_Nest = tuple[tuple[Any, ...], dict[Any, int]]
+"""The loops running in one context, outermost first (each by its owner), and the size at
+which each owner gave up during the outermost call (a plain tuple: made at every attempt)."""
 
-    __slots__ = ("owners", "gave_up")
-
-    def __init__(self, owners: tuple[Any, ...], gave_up: dict[Any, int]) -> None:
-        self.owners = owners
-        self.gave_up = gave_up
-
-
-# Per task and per thread, as contexts are: a loop started inside another's attempt nests.
-_NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
+NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
+"""The attempts running in this context: per task and per thread, as contexts are (a loop
+started inside another's attempt nests). :func:`enter_attempt` and :func:`leave_attempt` set
+and reset it; a step on a hot path may too, with the same values."""
 
 
 def running() -> bool:
@@ -308,20 +303,19 @@ def running() -> bool:
     >>> running()
     False
     """
-    return _NEST.get() is not None
+    return NEST.get() is not None
 
 
 def enter_attempt(owner: Any, gave_up: dict[Any, int]) -> Token:
     """Mark an attempt of ``owner``'s loop as running in this context (loops started inside
     it nest; ``gave_up`` is the outermost call's record); :func:`leave_attempt` ends it."""
-    nest = _NEST.get()
-    owners = nest.owners if nest is not None else ()
-    return _NEST.set(_Nest(owners + (owner,), gave_up))
+    nest = NEST.get()
+    return NEST.set(((owner,) if nest is None else nest[0] + (owner,), gave_up))
 
 
 def leave_attempt(token: Token) -> None:
     """End what :func:`enter_attempt` started."""
-    _NEST.reset(token)
+    NEST.reset(token)
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -356,12 +350,12 @@ class Loop:
                  history: Optional[list[Attempt]] = None) -> None:
         self.who = who
         self.policy = policy
-        nest = _NEST.get()
+        nest = NEST.get()
         self.owner = self if owner is None else owner
         self.nested = nest is not None
         # a loop of the same owner inside its own attempt: a recursion
-        self.recursive = nest is not None and self.owner in nest.owners
-        self.gave_up: dict[Any, int] = nest.gave_up if nest is not None else {}
+        self.recursive = nest is not None and self.owner in nest[0]
+        self.gave_up: dict[Any, int] = nest[1] if nest is not None else {}
         resumed = self.gave_up.get(self.owner)
         self.final = resumed is not None  # it gave up earlier in this outermost call
         if resumed is not None:

@@ -58,6 +58,7 @@ from .cleanup import free_memory
 from .distributed import OK, Sync
 from .errors import OutOfMemoryError, oom_kind
 from .loop import (
+    NEST,
     NO_OPINION,
     Attempt,
     Factor,
@@ -68,7 +69,6 @@ from .loop import (
     enter_attempt,
     exhausted,
     leave_attempt,
-    running,
 )
 from .sizes import Gauge
 
@@ -131,6 +131,8 @@ class _Config:
         self.sharded = sharded
         self.ddp = training.ddp_of(model)
         self.walked = training.Walked(model)  # the model's parameters, kept between calls
+        self.tensor = training.tensor_type()
+        training.refuse_steps()
         # no DDP or FSDP model, and no agreement asked for: a call may take _Step.whole
         self.alone = self.ddp is None and not sharded and policy.sync is not True
         self.refusal = (f"{self.name}() called optimizer.step() on the parameters "
@@ -157,16 +159,18 @@ class _State(GuardState):
     the model it has warned about."""
 
     def __init__(self) -> None:
-        # the last call's attempts; (size, seconds) when it ran whole (see ran_whole)
-        self._last: "list[Attempt] | tuple[int, float]" = []
+        # the last call's attempts; (size, seconds) for a call that ran the whole batch in
+        # one pass (its record made when asked for), written under the model's lock
+        self.last: "list[Attempt] | tuple[int, float]" = []
         super().__init__()
         # the parameters outside the model warned about, by id
         self.warned: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.warned_other = False  # a tensor outside that is not a parameter (an input)
+        self.plan: Optional[Plan] = None  # the last batch's
 
     @property  # type: ignore[override]
     def history(self) -> list[Attempt]:
-        last = self._last
+        last = self.last
         if isinstance(last, tuple):  # its record, made when asked for
             size, seconds = last
             return [Attempt(size=size, ok=True, unit="microbatch", steps=1, seconds=seconds)]
@@ -174,13 +178,7 @@ class _State(GuardState):
 
     @history.setter
     def history(self, attempts: list[Attempt]) -> None:
-        self._last = attempts
-
-    def ran_whole(self, size: int, seconds: float) -> None:
-        """Record a call that ran the whole batch in one pass (the caller holds the model's
-        lock, which serialises every writer but :meth:`reset`)."""
-        self._last = (size, seconds)
-        self.clean_steps += 1
+        self.last = attempts
 
     def forget(self) -> None:
         self.microbatch_size: Optional[int] = None
@@ -294,27 +292,38 @@ class _Step(Loop):
         if gauge is not None:
             gauge.start()
         gave_up: dict[Any, int] = {}  # what loops nested in the pass give up at
-        entry = training.stash(params)
+        entry = list(map(training.grads, params))  # training.stash, inline
+        if entry.count(None) != len(entry):
+            training.drop(params)
         buffers = None
         try:
             if walked.slots:
                 buffers = training.Buffers(walked.slots)
                 started = time.perf_counter()
-            token = enter_attempt(state, gave_up)
+            token = NEST.set(((state,), gave_up))  # enter_attempt, not nested (_whole_fits)
             try:
-                refused = training.refuse_steps(known, cfg.refusal)
+                refused = training.REFUSED.set((known, cfg.refusal))
                 try:
                     loss = wrapped(batch, *args, **kwargs)
                 finally:
-                    training.allow_steps(refused)
-                training.check_loss(loss, cfg.called)
-                _gradients_untouched(cfg, params, None)
+                    training.REFUSED.reset(refused)
+                if not (isinstance(loss, cfg.tensor) and loss.requires_grad
+                        and loss.numel() == 1):
+                    training.check_loss(loss, cfg.called)  # which says what is wrong
+                if list(map(training.grads, params)).count(None) != len(params):
+                    _gradients_untouched(cfg, params, None)  # set aside on entry: written
                 found = training.outside(loss, known)
                 if found:
                     params, entry, known = _adopt(cfg, state, found, params, entry, known)
-                total = training.backward(loss, 1.0, cfg.scaler, None)
+                if cfg.scaler is None:  # training.backward, inline
+                    loss.backward()
+                    total = loss.detach()
+                    if total.dim():  # a loss of shape [1]
+                        total = total.reshape(())
+                else:
+                    total = training.backward(loss, 1.0, cfg.scaler, None)
             finally:
-                leave_attempt(token)
+                NEST.reset(token)
         except BaseException as exc:
             if not (isinstance(exc, Exception) and oom_kind(exc) is not None):
                 training.restore(params, entry)
@@ -333,8 +342,10 @@ class _Step(Loop):
                 raise
         else:
             seconds = time.perf_counter() - started
-            training.merge(params, entry)
-            state.ran_whole(plan.length, seconds)
+            if entry.count(None) != len(entry):  # gradients held on entry: add them
+                training.merge(params, entry)
+            state.last = (plan.length, seconds)  # the history, made when asked for
+            state.clean_steps += 1
             return total
         return step.run(wrapped, args, kwargs, resumed=True)
 
@@ -463,11 +474,11 @@ class _Step(Loop):
 
     def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
         """The step function on one slice, its optimizers' steps on our parameters refused."""
-        token = training.refuse_steps(self.known, self.cfg.refusal)
+        token = training.REFUSED.set((self.known, self.cfg.refusal))
         try:
             return wrapped(piece, *args, **kwargs)
         finally:
-            training.allow_steps(token)
+            training.REFUSED.reset(token)
 
     def _backward(self, loss: Any, weight: float, total: Any, last: bool) -> Any:
         training.check_loss(loss, self.cfg.called)
@@ -582,7 +593,7 @@ def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
 def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and no smaller size remembered."""
-    if not cfg.alone or running():
+    if not cfg.alone or NEST.get() is not None:  # nested in another guard's attempt
         return False
     if cfg.policy.sync is not False:
         world = torch_distributed.world()
@@ -727,10 +738,10 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                 batch, rest, kw = args[0], args[1:], kwargs
             else:
                 batch, rest, kw = cfg.split_arguments(instance, args, kwargs)
-            plan = plan_batch(batch)
+            plan = state.plan = plan_batch(batch, state.plan)  # the last one, if it fits
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
-            with lock:  # one step at a time on a model: threads' gradients add up exactly
+            with lock.inner:  # one step at a time on a model: threads' gradients add up
                 if _whole_fits(cfg, state, plan):
                     return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
                 return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)

@@ -23,12 +23,18 @@ _groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 def world() -> Optional[tuple[int, int]]:
     """``(rank, world_size)`` of the initialised default process group, or ``None``."""
     dist = _DIST[0] if _DIST else _distributed()
-    if dist is None or not dist.is_initialized():
+    if dist is None:
+        return None
+    if _WORLD:  # where torch keeps the default group: is_initialized() in four calls
+        if _WORLD[0]._default_pg is None:  # noqa: SLF001 - read, as is_initialized() does
+            return None
+    elif not dist.is_initialized():
         return None
     return dist.get_rank(), dist.get_world_size()
 
 
 _DIST: list[Any] = []  # torch.distributed once torch is imported, None where unavailable
+_WORLD: list[Any] = []  # torch's record of the default group, where it is as expected
 
 
 def _distributed() -> Any:
@@ -39,6 +45,13 @@ def _distributed() -> Any:
     import torch.distributed as dist
 
     _DIST[:] = [dist if dist.is_available() else None]
+    if _DIST[0] is not None:
+        record = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world",
+                         None)
+        # is_initialized() reads the group from this record's _default_pg (torch 2.x)
+        if "_default_pg" in getattr(record, "__dict__", ()) \
+                and (record._default_pg is not None) == dist.is_initialized():  # noqa: SLF001
+            _WORLD[:] = [record]
     return _DIST[0]
 
 

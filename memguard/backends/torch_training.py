@@ -12,8 +12,9 @@ alive during the step: one gradient buffer more at the peak than plain accumulat
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from typing import Any, ContextManager, Iterator, Optional
 
 from .._locks import ForkSafeLock
@@ -121,9 +122,14 @@ def _hook() -> None:
                 module.register_module_module_registration_hook))
 
 
+grads = operator.attrgetter("grad")
+"""A tensor's ``.grad``: ``list(map(grads, params))`` is the gradients, with no Python call
+per parameter."""
+
+
 def stash(params: list[Any]) -> list[Any]:
     """Move each parameter's gradient aside; the parameters are left with none."""
-    saved = [p.grad for p in params]
+    saved = list(map(grads, params))
     if saved.count(None) != len(saved):
         for p in params:
             p.grad = None
@@ -204,6 +210,13 @@ def _accumulate_type() -> type:
 
     _ACCUMULATE[:] = [torch._C._functions.AccumulateGrad]  # noqa: SLF001 - no public name
     return _ACCUMULATE[0]
+
+
+def tensor_type() -> type:
+    """``torch.Tensor``."""
+    import torch
+
+    return torch.Tensor
 
 
 def is_parameter(tensor: Any) -> bool:
@@ -300,14 +313,18 @@ def grads_changed(params: list[Any], marks: Optional[list[Optional[tuple[Any, in
     return appeared, vanished, modified
 
 
-_REFUSED: ContextVar[Optional[tuple[set[int], str]]] = ContextVar("memguard_refused_steps",
-                                                                  default=None)
+REFUSED: ContextVar[Optional[tuple["set[int] | frozenset[int]", str]]] = ContextVar(
+    "memguard_refused_steps", default=None)
+"""While set to ``(ids, message)`` (after :func:`refuse_steps`), in this thread or task, an
+optimizer that holds one of the tensors whose ``id`` is in ``ids`` raises
+``RuntimeError(message)`` before it steps; ``REFUSED.set`` and ``REFUSED.reset`` start and
+end it."""
 _HOOK_LOCK = ForkSafeLock()
 _hooked = False
 
 
 def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    refused = _REFUSED.get()
+    refused = REFUSED.get()
     if refused is None:
         return
     ids, message = refused
@@ -315,11 +332,9 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         raise RuntimeError(message)
 
 
-def refuse_steps(ids: set[int], message: str) -> Token:
-    """Until :func:`allow_steps`, in this thread or task, an optimizer that holds one of the
-    tensors whose ``id`` is in ``ids`` raises ``RuntimeError(message)`` before it steps. One
-    global optimizer pre-step hook, registered on the first call, checks a context variable:
-    nothing else is added to any optimizer's step."""
+def refuse_steps() -> None:
+    """Make :data:`REFUSED` work: one global optimizer pre-step hook, registered on the first
+    call, checks it; nothing else is added to any optimizer's step."""
     global _hooked
     if not _hooked:
         with _HOOK_LOCK:
@@ -328,12 +343,6 @@ def refuse_steps(ids: set[int], message: str) -> Token:
 
                 register_optimizer_step_pre_hook(_refuse_step)
                 _hooked = True
-    return _REFUSED.set((ids, message))
-
-
-def allow_steps(token: Token) -> None:
-    """End what :func:`refuse_steps` started."""
-    _REFUSED.reset(token)
 
 
 def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
