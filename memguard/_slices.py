@@ -102,7 +102,7 @@ class Plan:
         without making objects; ``False`` is no verdict (make the plan)."""
         if self.kind == SAMPLES:
             return _shape_length(value) == self.length
-        flat = self.flat
+        flat: Any = self.flat
         if flat is None or type(value) is not flat or len(value) != len(self.parts):
             return False
         length = self.length
@@ -127,7 +127,7 @@ class Plan:
             return _SAMPLES.get(length) or _samples(length)
         if isinstance(value, Mapping):
             parts = {key: cls.of(item, (where, key)) for key, item in value.items()}
-            return cls(MAPPING, _common(parts, where), parts)._flat(value)
+            return _flat(cls(MAPPING, _common(parts, where), parts), value)
         if _is_named_tuple(value):
             parts = {i: cls.of(item, (where, _Field(name)))
                      for i, (name, item) in enumerate(zip(type(value)._fields, value, strict=True))}
@@ -153,16 +153,10 @@ class Plan:
         if isinstance(value, list) and (kinds == {MAPPING} or kinds == {ITEMS}):
             return cls(ITEMS, len(value))  # one dict (or one token list) per sample
         if len(lengths) == 1:
-            return cls(SEQUENCE, lengths.pop(), parts)._flat(value)
+            return _flat(cls(SEQUENCE, lengths.pop(), parts), value)
         if isinstance(value, list) and SHARED not in kinds:
             return cls(ITEMS, len(value))  # one tensor per sample (ragged sequences)
         return cls(SEQUENCE, _common(parts, where), parts)
-
-    def _flat(self, value: Any) -> "Plan":
-        """Itself, marked :attr:`flat` where every part is an array-like."""
-        if self.length is not None and all(p.kind == SAMPLES for p in self.parts.values()):
-            self.flat = type(value)
-        return self
 
     def cut(self, value: Any, start: int, stop: int) -> Any:
         """``value``'s samples ``start:stop``, shared parts as they are."""
@@ -178,6 +172,14 @@ class Plan:
         if _is_named_tuple(value):
             return type(value)(*items)
         return type(value)(items)
+
+
+def _flat(plan: Plan, value: Any) -> Plan:
+    """``plan`` (of the container ``value``), marked :attr:`~Plan.flat` where every part is an
+    array-like."""
+    if plan.length is not None and all(p.kind == SAMPLES for p in plan.parts.values()):
+        plan.flat = type(value)
+    return plan
 
 
 _SAMPLES: dict[int, Plan] = {}  # plans of array-likes, by length: one object each

@@ -66,9 +66,7 @@ from .loop import (
     Loop,
     Policy,
     Unit,
-    enter_attempt,
     exhausted,
-    leave_attempt,
 )
 from .sizes import Gauge
 
@@ -131,7 +129,7 @@ class _Config:
         self.sharded = sharded
         self.ddp = training.ddp_of(model)
         self.walked = training.Walked(model)  # the model's parameters, kept between calls
-        self.tensor = training.tensor_type()
+        self.tensor: Any = training.tensor_type()
         training.refuse_steps()
         # no DDP or FSDP model, and no agreement asked for: a call may take _Step.whole
         self.alone = self.ddp is None and not sharded and policy.sync is not True
@@ -168,7 +166,7 @@ class _State(GuardState):
         self.warned_other = False  # a tensor outside that is not a parameter (an input)
         self.plan: Optional[Plan] = None  # the last batch's
 
-    @property  # type: ignore[override]
+    @property
     def history(self) -> list[Attempt]:
         last = self.last
         if isinstance(last, tuple):  # its record, made when asked for
@@ -287,7 +285,8 @@ class _Step(Loop):
         out here, and the model's walk kept between calls: this runs at every step)."""
         started = time.perf_counter()
         walked = cfg.walked.get(started)
-        params, known = walked.params, walked.known
+        params = walked.params
+        known: "set[int] | frozenset[int]" = walked.known
         gauge = Gauge(cfg.name) if cfg.policy.factor == "auto" else None
         if gauge is not None:
             gauge.start()
@@ -344,7 +343,7 @@ class _Step(Loop):
             seconds = time.perf_counter() - started
             if entry.count(None) != len(entry):  # gradients held on entry: add them
                 training.merge(params, entry)
-            state.last = (plan.length, seconds)  # the history, made when asked for
+            state.last = (plan.length or 0, seconds)  # the history, made when asked for
             state.clean_steps += 1
             return total
         return step.run(wrapped, args, kwargs, resumed=True)

@@ -87,3 +87,20 @@ def test_process_group_is_not_kept_alive_after_destroy(python_in_subprocess):
         print(json.dumps({{"result": result, "alive": world() is not None}}))
     """)
     assert out == {"result": 4, "alive": False}
+
+
+def test_world_follows_the_default_group_being_made_and_destroyed(python_in_subprocess):
+    """``world()`` runs on every guarded call and reads torch's record of the default group
+    directly: it must still see the group come and go."""
+    out = python_in_subprocess(f"""
+        import json, os
+        import torch.distributed as dist
+        from memguard.backends.torch_distributed import world
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        before = world()
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        during = world()
+        dist.destroy_process_group()
+        print(json.dumps({{"before": before, "during": during, "after": world()}}))
+    """)
+    assert out == {"before": None, "during": [0, 1], "after": None}

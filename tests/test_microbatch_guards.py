@@ -129,6 +129,105 @@ def test_a_tensor_used_only_by_a_later_slice_loses_the_failed_pass():
     assert_close(grads(body), grads(reference))
 
 
+# -- the model's walk, kept between calls ---------------------------------------------------------
+class Grown(Net):
+    """Net whose forward adds an ``extra`` module when it has one."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        extra = self._modules.get("extra")
+        return out if extra is None else out + extra(x)
+
+
+@pytest.mark.parametrize("how", ["setattr", "direct", "unfrozen"])
+def test_a_parameter_the_model_gains_between_calls_is_the_models_own(how, caplog):
+    torch.manual_seed(0)
+    model = Grown()
+    reference = copy.deepcopy(model)
+    extra = torch.nn.Linear(8, 1)  # made before: making a module is seen by torch's hooks
+    reference.extra = copy.deepcopy(extra)
+    if how == "unfrozen":  # held from the start, frozen, then trained
+        model.extra = extra
+        extra.requires_grad_(False)
+    x, y = data(128)
+    loss_of = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+    loss_of((x[:32], y[:32]))  # the model walked; calls that fit reuse the walk
+    model.zero_grad()
+    if how == "unfrozen":  # nothing registered: no hook sees it
+        extra.requires_grad_(True)
+    elif how == "setattr":  # torch's registration hooks see it
+        model.extra = extra
+    else:  # written into the module's dictionary: no hook sees it
+        model._modules["extra"] = extra
+    model.backward_limit = 50  # the extra layer's gradient is written before the failure
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        loss_of((x, y))
+    assert [a.size for a in loss_of.history] == [128, 64, 32]
+    F.mse_loss(reference(x), y).backward()
+    assert_close(grads(model), grads(reference), 1e-5)  # extra's failed share dropped too
+    assert "outside the model" not in caplog.text  # the model's own, not a stranger
+
+
+def test_a_buffer_written_into_its_module_between_calls_is_the_one_put_back():
+    model, reference = pair(norm=True)
+    x, y = data(256)
+    loss_of = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+    loss_of((x[:32], y[:32]))  # the model walked, with its running statistics
+    reference(x[:32])
+    for net in (model, reference):  # new tensors, written past torch's hooks
+        net.norm._buffers["running_mean"] = torch.full((16,), 0.5)
+    model.forward_limit = 70  # BatchNorm's statistics move in each failed forward
+    loss_of((x, y))
+    assert [a.size for a in loss_of.history] == [256, 128, 64]
+    for start in range(0, 256, 64):
+        reference(x[start:start + 64])
+    assert torch.allclose(model.norm.running_mean, reference.norm.running_mean, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["setattr", "direct"])
+def test_a_module_the_model_gains_between_calls_has_its_buffers_put_back(how, monkeypatch):
+    from memguard.backends import torch_training
+
+    model, reference = pair()
+    reference.norm = torch.nn.BatchNorm1d(16, affine=False)
+    norm = torch.nn.BatchNorm1d(16, affine=False)  # made before: torch's hooks see that
+    x, y = data(256)
+    if how == "direct":  # each walk kept for no time at all
+        monkeypatch.setattr(torch_training, "REWALK", 0.0)
+    loss_of = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+    loss_of((x[:32], y[:32]))  # the model walked; calls that fit reuse the walk
+    if how == "setattr":  # torch's registration hooks see it: walked at the next call
+        model.norm = norm
+    else:  # past torch's hooks: walked again once REWALK seconds have passed
+        model._modules["norm"] = norm
+    loss_of((x[:32], y[:32]))
+    reference(x[:32])
+    model.forward_limit = 70
+    loss_of((x, y))
+    assert [a.size for a in loss_of.history] == [256, 128, 64]
+    for start in range(0, 256, 64):
+        reference(x[start:start + 64])
+    assert torch.allclose(model.norm.running_mean, reference.norm.running_mean, atol=1e-6)
+    assert model.norm.num_batches_tracked.item() == reference.norm.num_batches_tracked.item()
+
+
+def test_a_batch_unlike_the_last_one_is_planned_again():
+    model, reference = pair()
+    x, y = data(256)
+    loss_of = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b["x"]), b["y"]))
+    loss_of({"x": x[:100], "y": y[:100]})
+    loss_of({"x": x[:60], "y": y[:60]})  # the epoch's short last batch
+    assert loss_of.history[0].size == 60
+    with pytest.raises(ValueError, match="disagree"):  # parts that disagree: checked again
+        loss_of({"x": x[:60], "y": y[:59]})
+    model.forward_limit = 30
+    model.zero_grad()
+    loss_of({"x": x[:60], "y": y[:60]})
+    assert [a.size for a in loss_of.history] == [60, 30]
+    F.mse_loss(reference(x[:60]), y[:60]).backward()
+    assert_close(grads(model), grads(reference), 1e-5)
+
+
 # -- buffers -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_batchnorm_statistics_equal_plain_accumulation_over_the_slices(where):

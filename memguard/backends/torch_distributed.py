@@ -49,7 +49,7 @@ def _distributed() -> Any:
         record = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world",
                          None)
         # is_initialized() reads the group from this record's _default_pg (torch 2.x)
-        if "_default_pg" in getattr(record, "__dict__", ()) \
+        if record is not None and "_default_pg" in getattr(record, "__dict__", ()) \
                 and (record._default_pg is not None) == dist.is_initialized():  # noqa: SLF001
             _WORLD[:] = [record]
     return _DIST[0]

@@ -186,7 +186,7 @@ def outside(loss: Any, known: "set[int] | frozenset[int]") -> list[Any]:
     if root is None:  # the loss is itself a leaf: backward writes into it
         return [] if id(loss) in known else [loss]
     found: list[Any] = []
-    leaf = _ACCUMULATE[0] if _ACCUMULATE else _accumulate_type()
+    leaf: Any = _ACCUMULATE[0] if _ACCUMULATE else _accumulate_type()
     seen = {root}
     stack = [root]
     while stack:
@@ -208,7 +208,7 @@ def _accumulate_type() -> type:
     """The Python type of autograd's ``AccumulateGrad`` nodes (the graph's leaves)."""
     import torch
 
-    _ACCUMULATE[:] = [torch._C._functions.AccumulateGrad]  # noqa: SLF001 - no public name
+    _ACCUMULATE[:] = [torch._C._functions.AccumulateGrad]  # type: ignore[attr-defined]  # noqa: SLF001
     return _ACCUMULATE[0]
 
 
