@@ -62,3 +62,20 @@ def run_python(code: str, env: Optional[dict] = None, timeout: float = 600) -> d
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark subprocess failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def failing_passes(calls: list[tuple[int, int]], batch: int) -> int:
+    """The samples of failing steps' extra passes: ``calls`` are ``(step, samples)`` of every
+    forward of a training step, in order; consecutive calls at one step are that step's,
+    and those beyond its ``batch`` samples are the passes that ran out of memory (a step
+    that starts over later, after a restart, is a new run of calls). Under a real budget a
+    later step may fail too: the address space in use creeps from step to step, so in some
+    runs a size that fitted stops fitting a few steps after the first failure."""
+    extra, index = 0, 0
+    while index < len(calls):
+        step, samples = calls[index][0], 0
+        while index < len(calls) and calls[index][0] == step:
+            samples += calls[index][1]
+            index += 1
+        extra += max(0, samples - batch)
+    return extra

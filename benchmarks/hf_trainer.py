@@ -3,7 +3,7 @@ Trainer's own ``auto_find_batch_size=True``, and what being ready costs a step t
 
 from __future__ import annotations
 
-from benchmarks.common import Result, run_python
+from benchmarks.common import Result, failing_passes, run_python
 
 SETUP = """
 import json, os, resource, tempfile, time, warnings
@@ -114,21 +114,10 @@ def hf_trainer(quick: bool) -> list[Result]:
     clean = steps * 64
 
     def redone(run: dict) -> tuple[int, int]:
-        """Samples redone beyond the failing steps' passes; those passes' samples. A step's
-        forwards run until the loop moves on or starts over; those beyond its 64 samples are
-        the passes that ran out of memory (a second step may: the address space in use
-        creeps from step to step under the budget, so in some runs 32 long sequences stop
-        fitting a few steps after the first failure)."""
+        """Samples redone beyond the failing steps' passes; those passes' samples."""
         forwards = run["forwards"]
-        total = sum(n for n, _ in forwards)
-        extra, index = 0, 0
-        while index < len(forwards):
-            step, samples = forwards[index][1], 0
-            while index < len(forwards) and forwards[index][1] == step:
-                samples += forwards[index][0]
-                index += 1
-            extra += max(0, samples - 64)
-        return total - clean - extra, extra
+        extra = failing_passes([(step, n) for n, step in forwards], 64)
+        return sum(n for n, _ in forwards) - clean - extra, extra
 
     def drift(run: dict) -> float:
         return max(abs(a - b) for a, b in zip(run["weights"], reference["weights"], strict=True))
