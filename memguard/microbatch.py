@@ -286,6 +286,7 @@ class _Step(Loop):
         started = time.perf_counter()
         walked = cfg.walked.get(started)
         params = walked.params
+        shared = len(params)  # the model's own
         known: "set[int] | frozenset[int]" = walked.known
         gauge = Gauge(cfg.name) if cfg.policy.factor == "auto" else None
         if gauge is not None:
@@ -330,7 +331,7 @@ class _Step(Loop):
                 raise
             step = cls.__new__(cls)
             step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
-                          (list(params), walked.slots, set(known), len(walked.params)))
+                          (list(params), walked.slots, set(known), shared))
             step.entry, step.buffers = entry, buffers
             step._start(step.samples)  # noqa: SLF001 - its own class's
             step.gauge, step.gave_up, step.started = gauge, gave_up, started
@@ -570,13 +571,14 @@ def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
     A parameter the model holds (registered after the model's walk was kept, or set to
     require grad since) passes in silence; a warning names each tensor outside the model
     not warned about before (parameters, and the first other tensor: an input)."""
-    cfg.walked.refresh(time.perf_counter())
-    strangers = [t for t in found if id(t) not in cfg.walked.known]
     with state.lock:
-        new = [t for t in strangers
-               if training.is_parameter(t) and id(t) not in state.warned]
+        new = [t for t in found if training.is_parameter(t) and id(t) not in state.warned]
+    if new:  # the model's own, or strangers: the model walked now tells (once for each)
+        cfg.walked.refresh(time.perf_counter())
+        new = [t for t in new if id(t) not in cfg.walked.known]
+    with state.lock:
         state.warned.update((id(t), t) for t in new)
-        other = [t for t in strangers if not training.is_parameter(t)]
+        other = [t for t in found if not training.is_parameter(t)]
         if other and not state.warned_other:
             state.warned_other = True
             new += other

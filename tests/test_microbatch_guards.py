@@ -168,6 +168,25 @@ def test_a_parameter_the_model_gains_between_calls_is_the_models_own(how, caplog
     assert "outside the model" not in caplog.text  # the model's own, not a stranger
 
 
+def test_a_head_outside_the_model_is_told_from_the_models_own_once(monkeypatch, caplog):
+    from memguard.backends import torch_training
+
+    body, _ = pair()
+    head = torch.nn.Linear(1, 1)  # trained beside the model, not in it
+    x, y = data(64)
+    walks = []
+    trained = torch_training.trained
+    monkeypatch.setattr(torch_training, "trained",
+                        lambda model: walks.append(model) or trained(model))
+    loss_of = memguard.auto_microbatch(body)(lambda b: F.mse_loss(head(body(b[0])), b[1]))
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        for _ in range(6):
+            loss_of((x, y))
+    assert len(walks) == 2  # the first call's walk, and once more to tell the head's two
+    assert caplog.text.count("outside the model") == 1
+    assert head.weight.grad is not None
+
+
 def test_a_buffer_written_into_its_module_between_calls_is_the_one_put_back():
     model, reference = pair(norm=True)
     x, y = data(256)
