@@ -26,33 +26,31 @@ class ForkSafeLock:
     False
     """
 
-    __slots__ = ("inner", "_factory", "__weakref__")
+    __slots__ = ("_lock", "_factory", "__weakref__")
 
     def __init__(self, reentrant: bool = False) -> None:
         self._factory = threading.RLock if reentrant else threading.Lock
-        # the lock itself, replaced in a forked child: read it at each use (``with
-        # lock.inner:`` saves the two Python calls of ``with lock:`` on a hot path)
-        self.inner = self._factory()
+        self._lock = self._factory()
         _all.add(self)
 
     def __enter__(self) -> bool:
-        return self.inner.acquire()
+        return self._lock.acquire()
 
     def __exit__(self, *exc: Any) -> None:
-        self.inner.release()
+        self._lock.release()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``threading.Lock.acquire``."""
-        return self.inner.acquire(blocking, timeout)
+        return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
         """As ``threading.Lock.release``."""
-        self.inner.release()
+        self._lock.release()
 
 
 def _recreate_in_child() -> None:
     for lock in list(_all):
-        lock.inner = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
+        lock._lock = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
 
 
 if hasattr(os, "register_at_fork"):

@@ -289,10 +289,8 @@ _Nest = tuple[tuple[Any, ...], dict[Any, int]]
 """The loops running in one context, outermost first (each by its owner), and the size at
 which each owner gave up during the outermost call (a plain tuple: made at every attempt)."""
 
-NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
-"""The attempts running in this context: per task and per thread, as contexts are (a loop
-started inside another's attempt nests). :func:`enter_attempt` and :func:`leave_attempt` set
-and reset it; a step on a hot path may too, with the same values."""
+# Per task and per thread, as contexts are: a loop started inside another's attempt nests.
+_NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
 
 
 def running() -> bool:
@@ -303,19 +301,19 @@ def running() -> bool:
     >>> running()
     False
     """
-    return NEST.get() is not None
+    return _NEST.get() is not None
 
 
 def enter_attempt(owner: Any, gave_up: dict[Any, int]) -> Token:
     """Mark an attempt of ``owner``'s loop as running in this context (loops started inside
     it nest; ``gave_up`` is the outermost call's record); :func:`leave_attempt` ends it."""
-    nest = NEST.get()
-    return NEST.set(((owner,) if nest is None else nest[0] + (owner,), gave_up))
+    nest = _NEST.get()
+    return _NEST.set(((owner,) if nest is None else nest[0] + (owner,), gave_up))
 
 
 def leave_attempt(token: Token) -> None:
     """End what :func:`enter_attempt` started."""
-    NEST.reset(token)
+    _NEST.reset(token)
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -350,7 +348,7 @@ class Loop:
                  history: Optional[list[Attempt]] = None) -> None:
         self.who = who
         self.policy = policy
-        nest = NEST.get()
+        nest = _NEST.get()
         self.owner = self if owner is None else owner
         self.nested = nest is not None
         # a loop of the same owner inside its own attempt: a recursion

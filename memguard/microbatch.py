@@ -58,7 +58,6 @@ from .cleanup import free_memory
 from .distributed import OK, Sync
 from .errors import OutOfMemoryError, oom_kind
 from .loop import (
-    NEST,
     NO_OPINION,
     Attempt,
     Factor,
@@ -66,7 +65,10 @@ from .loop import (
     Loop,
     Policy,
     Unit,
+    enter_attempt,
     exhausted,
+    leave_attempt,
+    running,
 )
 from .sizes import Gauge
 
@@ -129,7 +131,6 @@ class _Config:
         self.sharded = sharded
         self.ddp = training.ddp_of(model)
         self.walked = training.Walked(model)  # the model's parameters, kept between calls
-        self.tensor: Any = training.tensor_type()
         training.refuse_steps()
         # no DDP or FSDP model, and no agreement asked for: a call may take _Step.whole
         self.alone = self.ddp is None and not sharded and policy.sync is not True
@@ -281,8 +282,8 @@ class _Step(Loop):
         """The call in the common case (see :func:`_whole_fits`): one pass over the whole
         batch, with none of the loop's objects made unless it runs out of memory; then the
         loop starts as if it had run this pass as its first attempt, and goes on from its
-        second. What runs, and what is recorded, is what :meth:`run` does (its steps written
-        out here, and the model's walk kept between calls: this runs at every step)."""
+        second. What runs, and what is recorded, is what :meth:`run` does (with the model's
+        walk kept between calls: this runs at every step)."""
         started = time.perf_counter()
         walked = cfg.walked.get(started)
         params = walked.params
@@ -292,38 +293,27 @@ class _Step(Loop):
         if gauge is not None:
             gauge.start()
         gave_up: dict[Any, int] = {}  # what loops nested in the pass give up at
-        entry = list(map(training.grads, params))  # training.stash, inline
-        if entry.count(None) != len(entry):
-            training.drop(params)
+        entry = training.stash(params)
         buffers = None
         try:
             if walked.slots:
                 buffers = training.Buffers(walked.slots)
                 started = time.perf_counter()
-            token = NEST.set(((state,), gave_up))  # enter_attempt, not nested (_whole_fits)
+            token = enter_attempt(state, gave_up)
             try:
                 refused = training.REFUSED.set((known, cfg.refusal))
                 try:
                     loss = wrapped(batch, *args, **kwargs)
                 finally:
                     training.REFUSED.reset(refused)
-                if not (isinstance(loss, cfg.tensor) and loss.requires_grad
-                        and loss.numel() == 1):
-                    training.check_loss(loss, cfg.called)  # which says what is wrong
-                if list(map(training.grads, params)).count(None) != len(params):
-                    _gradients_untouched(cfg, params, None)  # set aside on entry: written
+                training.check_loss(loss, cfg.called)
+                _gradients_untouched(cfg, params, None)  # all set aside on entry
                 found = training.outside(loss, known)
                 if found:
                     params, entry, known = _adopt(cfg, state, found, params, entry, known)
-                if cfg.scaler is None:  # training.backward, inline
-                    loss.backward()
-                    total = loss.detach()
-                    if total.dim():  # a loss of shape [1]
-                        total = total.reshape(())
-                else:
-                    total = training.backward(loss, 1.0, cfg.scaler, None)
+                total = training.backward(loss, 1.0, cfg.scaler, None)
             finally:
-                NEST.reset(token)
+                leave_attempt(token)
         except BaseException as exc:
             if not (isinstance(exc, Exception) and oom_kind(exc) is not None):
                 training.restore(params, entry)
@@ -594,7 +584,7 @@ def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
 def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and no smaller size remembered."""
-    if not cfg.alone or NEST.get() is not None:  # nested in another guard's attempt
+    if not cfg.alone or running():  # nested in another guard's attempt
         return False
     if cfg.policy.sync is not False:
         world = torch_distributed.world()
@@ -742,7 +732,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             plan = state.plan = plan_batch(batch, state.plan)  # the last one, if it fits
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
-            with lock.inner:  # one step at a time on a model: threads' gradients add up
+            with lock:  # one step at a time on a model: threads' gradients add up exactly
                 if _whole_fits(cfg, state, plan):
                     return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
                 return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)

@@ -212,13 +212,6 @@ def _accumulate_type() -> type:
     return _ACCUMULATE[0]
 
 
-def tensor_type() -> type:
-    """``torch.Tensor``."""
-    import torch
-
-    return torch.Tensor
-
-
 def is_parameter(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``torch.nn.Parameter``."""
     import torch
@@ -296,11 +289,7 @@ def grads_changed(params: list[Any], marks: Optional[list[Optional[tuple[Any, in
     """How the gradients changed since ``marks`` (``None``: since they were all dropped):
     ``(appeared, vanished, modified)`` counts of parameters."""
     if marks is None:
-        appeared = 0
-        for p in params:
-            if p.grad is not None:
-                appeared += 1
-        return appeared, 0, 0
+        return len(params) - list(map(grads, params)).count(None), 0, 0
     appeared = vanished = modified = 0
     for p, mark in zip(params, marks, strict=False):  # params may have grown since
         g = p.grad
