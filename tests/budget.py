@@ -74,3 +74,46 @@ def run_ranks(code: str, world: int = 3, timeout: float = 240) -> list[dict]:
             if proc.poll() is None:
                 proc.kill()
     return outputs
+
+
+def ranks_left_waiting(code: str, world: int = 2, ready: str = "ready", grace: float = 10,
+                       timeout: float = 240) -> list[int]:
+    """Run ``code`` as ``world`` gloo ranks; each prints the line ``ready`` just before the
+    work under test. Once every rank has printed it, wait ``grace`` seconds (the good path
+    ends long before) and return the ranks still running: a hang is measured from the moment
+    the ranks meet, not from their start, so a slow start neither fakes nor hides it."""
+    import threading
+    import time
+
+    env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), TF_CPP_MIN_LOG_LEVEL="3")
+    procs = [subprocess.Popen([sys.executable, "-c", script(code)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=dict(env, RANK=str(rank))) for rank in range(world)]
+    arrived = [threading.Event() for _ in procs]
+
+    def watch(proc: subprocess.Popen, event: threading.Event) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.strip() == ready:
+                event.set()
+        event.set()  # ended (or never got there): nothing more to wait for
+
+    for proc, event in zip(procs, arrived, strict=True):
+        threading.Thread(target=watch, args=(proc, event), daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout
+        for rank, event in enumerate(arrived):
+            assert event.wait(max(0.0, deadline - time.monotonic())), \
+                f"rank {rank} printed no {ready!r} line within {timeout} s"
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [rank for rank, proc in enumerate(procs) if proc.poll() is None]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -8,13 +8,11 @@ wait there for the failed rank: every run has a deadline, so a hang fails the te
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from budget import free_port, run_ranks
+from budget import free_port, ranks_left_waiting, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -216,6 +214,7 @@ def failing_gather(fsdp_params, *args, **kwargs):
 
 _fsdp_param_group.foreach_all_gather = failing_gather
 step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+print("ready", flush=True)
 step(batch(0, rank))
 dist.destroy_process_group()
 print(json.dumps({"rank": rank, "finished": True}))
@@ -225,8 +224,8 @@ print(json.dumps({"rank": rank, "finished": True}))
 def test_an_oom_allocating_an_all_gather_buffer_still_hangs():
     # the documented gap: an out-of-memory inside FSDP's all-gather, after memguard's check
     # point and before the collective, leaves the healthy rank in the all-gather
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks(GAP, world=2, timeout=30)
+    # (the same step without the failure ends in well under a second once the ranks meet)
+    assert 0 in ranks_left_waiting(GAP, world=2)
 
 
 REDUCE_GAP = GAP.split("gather = _fsdp_param_group.foreach_all_gather")[0] + """
@@ -243,6 +242,7 @@ def failing_reduce(*args, **kwargs):
 
 _fsdp_param_group.foreach_reduce = failing_reduce
 step = memguard.auto_microbatch(model)(lambda b: F.mse_loss(model(b[0]), b[1]))
+print("ready", flush=True)
 try:
     step(batch(0, rank))
     error = None
@@ -259,5 +259,5 @@ def test_an_oom_in_the_one_reduce_scatter_still_hangs():
     # the second documented gap: the reduce-scatter after the last pass allocates its
     # buffers after the ranks agreed; rank 1's out-of-memory there escapes the step (no
     # retry), and rank 0 waits in the reduce-scatter
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks(REDUCE_GAP, world=2, timeout=30)
+    # (the same step without the failure ends in well under a second once the ranks meet)
+    assert 0 in ranks_left_waiting(REDUCE_GAP, world=2)
