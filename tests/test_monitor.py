@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from frameworks import requires
 
 import memguard
 from memguard import backends
@@ -237,6 +238,7 @@ def test_tensorboard_through_torch_summary_writer(tmp_path):
 
 
 @pytest.mark.slow
+@requires("tensorflow", "tensorboard")  # tf.summary writes through tensorboard
 def test_tensorboard_through_tf_summary(python_in_subprocess, tmp_path):
     out = python_in_subprocess(f"""
         import json, os, time
