@@ -12,6 +12,10 @@ import pytest
 
 MiB = 1 << 20
 
+# programs that torchrun starts, not tests: --doctest-modules would import them (and the
+# frameworks they import) at collection
+collect_ignore = ["torchrun_scripts"]
+
 
 def _has_gpu() -> bool:
     try:

@@ -7,7 +7,8 @@ selected. A test module says instead::
 
     from frameworks import lazy, requires
 
-    transformers = lazy("transformers")            # imported on first attribute access
+    transformers = lazy("transformers")  # imported on first attribute access
+    MemguardCallback = deferred("memguard.integrations.transformers", "MemguardCallback")
     pytestmark = requires("transformers", "accelerate")  # skip where either is missing
 
 and defines what subclasses a framework class inside the test or fixture that needs it.
@@ -46,7 +47,20 @@ class lazy(types.ModuleType):
         self.__dict__["_module"] = None
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("_"):  # pytest's collection looks at every module global
+            raise AttributeError(attribute)
         module = self.__dict__["_module"]
         if module is None:
             module = self.__dict__["_module"] = pytest.importorskip(self.__name__)
         return getattr(module, attribute)
+
+
+def deferred(module: str, name: str) -> Any:
+    """A stand-in for ``from module import name`` of a callable (a class to instantiate, a
+    function): ``module`` is imported at the first call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call

@@ -9,17 +9,21 @@ out of memory.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # the Trainer needs it
+import memguard
 
-import memguard  # noqa: E402
-from memguard.integrations.transformers import MemguardCallback, auto_microbatch  # noqa: E402
+from frameworks import deferred, lazy, requires
+
+transformers = lazy("transformers")
+MemguardCallback = deferred("memguard.integrations.transformers", "MemguardCallback")
+auto_microbatch = deferred("memguard.integrations.transformers", "auto_microbatch")
+pytestmark = requires("transformers", "accelerate")  # the Trainer needs accelerate
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(memguard.__file__).resolve().parents[1]
@@ -173,30 +177,43 @@ def test_without_num_items_in_batch_slices_are_weighted_by_tokens(tmp_path):
     assert distance(by_samples, reference) > 1e-4
 
 
-class Doubled(transformers.Trainer):
-    """A user's own compute_loss that hands num_items_in_batch on (as trainers built on
-    Trainer do)."""
+@functools.cache
+def doubled_class():
+    """A user's Trainer, defined at first use (transformers imported then)."""
 
-    calls = 0
+    class Doubled(transformers.Trainer):
+        """A user's own compute_loss that hands num_items_in_batch on (as trainers built on
+        Trainer do)."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        Doubled.calls += 1
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-        return (loss * 2.0, outputs) if return_outputs else loss * 2.0
+        calls = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            Doubled.calls += 1
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            return (loss * 2.0, outputs) if return_outputs else loss * 2.0
+
+    return Doubled
 
 
-class OwnMean(transformers.Trainer):
-    """A user's own compute_loss that ignores num_items_in_batch: a mean over the tokens of
-    what it is given, declared as the Trainer asks."""
+@functools.cache
+def own_mean_class():
+    """A user's Trainer, defined at first use (transformers imported then)."""
 
-    loss_is_scaled_for_ga = False
+    class OwnMean(transformers.Trainer):
+        """A user's own compute_loss that ignores num_items_in_batch: a mean over the tokens
+        of what it is given, declared as the Trainer asks."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs)
-        return (outputs.loss, outputs) if return_outputs else outputs.loss
+        loss_is_scaled_for_ga = False
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    return OwnMean
 
 
 def test_a_subclass_with_its_own_compute_loss_and_the_callback(tmp_path):
+    Doubled = doubled_class()
     reference, _ = trained(tmp_path / "ref", cls=Doubled, wrap=False)
     callback = MemguardCallback(log_every_n_steps=2)
     trainer, ceiling = trained(tmp_path / "split", cls=Doubled, limit=4, callbacks=[callback],
@@ -212,6 +229,7 @@ def test_a_subclass_with_its_own_compute_loss_and_the_callback(tmp_path):
 
 
 def test_a_subclass_whose_loss_ignores_num_items_is_weighted_by_tokens(tmp_path):
+    OwnMean = own_mean_class()
     reference, _ = trained(tmp_path / "ref", cls=OwnMean, wrap=False)
     trainer, ceiling = trained(tmp_path / "split", cls=OwnMean, limit=3)
     assert ceiling.failures >= 1

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-keras = pytest.importorskip("keras")
 
-import memguard  # noqa: E402
-from memguard.integrations.keras import MemguardCallback  # noqa: E402
+import memguard
 
-pytestmark = pytest.mark.slow  # importing TensorFlow takes seconds
+from frameworks import deferred, lazy, requires
+
+keras = lazy("keras")
+MemguardCallback = deferred("memguard.integrations.keras", "MemguardCallback")
+pytestmark = [pytest.mark.slow, requires("keras")]  # importing TensorFlow takes seconds
 LEAKS: list = []
 X = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)

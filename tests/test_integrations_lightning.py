@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import logging
 import os
@@ -13,34 +14,41 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-pl = pytest.importorskip("pytorch_lightning")
+import memguard
 
-import memguard  # noqa: E402
-from memguard.integrations.lightning import MemguardCallback  # noqa: E402
+from budget import ENV, script
+from frameworks import deferred, lazy, requires
 
-from budget import ENV, script  # noqa: E402
-
+pl = lazy("pytorch_lightning")
+MemguardCallback = deferred("memguard.integrations.lightning", "MemguardCallback")
+pytestmark = requires("pytorch_lightning")
 LEAKS: list = []
 
 
-class Tiny(pl.LightningModule):
-    def __init__(self, leak_bytes: int = 0) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(8, 1)
-        self.leak_bytes = leak_bytes
+@functools.cache
+def tiny_class():
+    """The tests' LightningModule, defined at first use (Lightning imported then)."""
 
-    def training_step(self, batch, index):
-        x, y = batch
-        if self.leak_bytes and index == 0:
-            LEAKS.append(torch.ones(self.leak_bytes // 4))
-        return torch.nn.functional.mse_loss(self.net(x), y)
+    class Tiny(pl.LightningModule):
+        def __init__(self, leak_bytes: int = 0) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+            self.leak_bytes = leak_bytes
 
-    def validation_step(self, batch, index):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+        def training_step(self, batch, index):
+            x, y = batch
+            if self.leak_bytes and index == 0:
+                LEAKS.append(torch.ones(self.leak_bytes // 4))
+            return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def validation_step(self, batch, index):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny
 
 
 DATA = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
@@ -57,7 +65,7 @@ def test_epochs_and_validation_reach_lightnings_logger(tmp_path):
     callback = MemguardCallback(log_every_n_steps=2)
     run = trainer(callback, logger=pl.loggers.CSVLogger(str(tmp_path)), log_every_n_steps=1,
                   num_sanity_val_steps=2)
-    run.fit(Tiny(), DataLoader(DATA, batch_size=16), DataLoader(DATA, batch_size=32))
+    run.fit(tiny_class()(), DataLoader(DATA, batch_size=16), DataLoader(DATA, batch_size=32))
     assert [s.name for s in callback.scopes] == [
         "lightning validation 1", "lightning epoch 1", "lightning validation 2",
         "lightning epoch 2"]  # the sanity check is no validation run
@@ -80,7 +88,7 @@ def test_max_leak_spares_the_warm_up_epoch_and_names_the_holder():
     LEAKS.clear()
     callback = MemguardCallback(max_leak="100MiB", track_tensors=True)
     with pytest.raises(memguard.MemoryLeakError, match=r"epoch 2.*global LEAKS\[-1\]"):
-        trainer(callback, max_epochs=3).fit(Tiny(leak_bytes=200 << 20),
+        trainer(callback, max_epochs=3).fit(tiny_class()(leak_bytes=200 << 20),
                                             DataLoader(DATA, batch_size=16))
     LEAKS.clear()
     first, second = callback.scopes
@@ -90,12 +98,12 @@ def test_max_leak_spares_the_warm_up_epoch_and_names_the_holder():
 
 def test_cleanup_never_only_measures():
     callback = MemguardCallback(cleanup="never")
-    trainer(callback, max_epochs=1).fit(Tiny(), DataLoader(DATA, batch_size=16))
+    trainer(callback, max_epochs=1).fit(tiny_class()(), DataLoader(DATA, batch_size=16))
     assert callback.scopes[0].freed == 0 and callback.scopes[0].cleanup == "never"
 
 
 def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
-    class Fails(Tiny):
+    class Fails(tiny_class()):
         def training_step(self, batch, index):
             if index == 2:
                 torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
@@ -109,7 +117,7 @@ def test_an_oom_inside_fit_is_logged_and_the_callback_is_ready_again(caplog):
     assert "DefaultCPUAllocator" in failure["error"]
     assert failure["memory"]["devices"]["host"]["reserved"]
     assert "out of memory during fit at step 2, batch_size=16" in caplog.text
-    trainer(callback, max_epochs=1).fit(Tiny(), DataLoader(DATA, batch_size=16))
+    trainer(callback, max_epochs=1).fit(tiny_class()(), DataLoader(DATA, batch_size=16))
     assert [s.name for s in callback.scopes] == ["lightning epoch 1"]  # warm-up again
 
 
@@ -120,7 +128,7 @@ def oom_lines(caplog) -> list[str]:
 
 def test_an_oom_under_oom_retry_is_logged_once(caplog):
     """Before: the callback's line at on_exception and oom_retry's retry line, both WARNING."""
-    class FailsOnce(Tiny):
+    class FailsOnce(tiny_class()):
         def training_step(self, batch, index):
             if self.trainer.train_dataloader.batch_size == 16 and index == 2:
                 torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
@@ -153,12 +161,12 @@ def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(
             settled.append(self)
             return super().settle(pairs, entry)
 
-    class Fails(Tiny):
+    class Fails(tiny_class()):
         def training_step(self, batch, index):
             torch.empty(1 << 42)  # a real DefaultCPUAllocator failure
 
     monkeypatch.setattr(memguard.cleanup, "Settler", Spy)
-    trainer(MemguardCallback(cleanup="always")).fit(Tiny(), DataLoader(DATA, batch_size=16))
+    trainer(MemguardCallback(cleanup="always")).fit(tiny_class()(), DataLoader(DATA, batch_size=16))
     assert settled  # the positive control: a fit that ends cleans up through the spy
     settled.clear()
     callback = MemguardCallback(cleanup="always")

@@ -11,13 +11,14 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # the Trainer needs it
+import memguard
 
-import memguard  # noqa: E402
-from memguard.integrations.transformers import MemguardCallback  # noqa: E402
+from budget import ENV, script
+from frameworks import deferred, lazy, requires
 
-from budget import ENV, script  # noqa: E402
+transformers = lazy("transformers")
+MemguardCallback = deferred("memguard.integrations.transformers", "MemguardCallback")
+pytestmark = requires("transformers", "accelerate")  # the Trainer needs accelerate
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 LEAKS: list = []

@@ -14,12 +14,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-pytest.importorskip("pytorch_lightning")
-
 from memguard import OutOfMemoryError
-from memguard.integrations.lightning import MICROBATCH_KEY, MemguardCallback
 
 from budget import ENV, free_port, script
+from frameworks import deferred, lazy, requires
+
+integration = lazy("memguard.integrations.lightning")
+MemguardCallback = deferred("memguard.integrations.lightning", "MemguardCallback")
+pytestmark = requires("pytorch_lightning")
 
 PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
@@ -117,7 +119,7 @@ def test_an_oom_in_training_step_is_redone_in_slices_with_the_unsplit_weights(pa
     assert model.sizes[:6] == [32, 16, 8, 8, 8, 8]  # the first step split 32 -> 16 -> 8
     assert model.sizes[6:] == [8] * 12  # later steps: at once at the size that fitted
     assert callback.microbatch_size == 8
-    assert trainer.callback_metrics[MICROBATCH_KEY].item() == 8
+    assert trainer.callback_metrics[integration.MICROBATCH_KEY].item() == 8
     assert distance(model, reference) < 1e-5
     assert "training_step" not in vars(model)  # the module's own step is back after fit
 
@@ -164,7 +166,7 @@ def test_a_step_that_fits_is_the_plain_step():
     callback = MemguardCallback(microbatch=True)
     trainer = fit(pl, model, [callback], accumulate_grad_batches=3)
     assert model.sizes == [32] * 4 and callback.microbatch_size is None
-    assert trainer.callback_metrics[MICROBATCH_KEY].item() == 32
+    assert trainer.callback_metrics[integration.MICROBATCH_KEY].item() == 32
     assert distance(model, reference) < 1e-6
 
 

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
-from frameworks import requires
 
 import memguard
 from memguard import backends
+
+from frameworks import requires
 
 MiB = 1 << 20
 

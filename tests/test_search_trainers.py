@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+from frameworks import requires
+
+pytestmark = requires("transformers")
 
 TRAINER = """
 import json, sys, warnings
