@@ -9,7 +9,7 @@ import pytest
 
 from budget import free_port, run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # ranks run alone (-n 2)
 
 WORKER = """
 import torch, torch.distributed as dist

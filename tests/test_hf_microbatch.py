@@ -335,6 +335,7 @@ def launchers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ranks")
 def test_ddp_one_rank_alone_runs_out_of_memory(launchers):
     import test_torchrun as torchrun_tools
 

@@ -359,6 +359,7 @@ def ranks(micro: bool, timeout: float) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ranks")
 def test_ddp_with_one_rank_out_of_memory_ends_with_the_reference_weights_and_no_hang():
     reference = ranks(False, timeout=180)
     first, second = ranks(True, timeout=180)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from budget import free_port, run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # ranks run alone (-n 2)
 
 MODEL = """
 import torch

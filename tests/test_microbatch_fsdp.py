@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from budget import free_port, ranks_left_waiting, run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # ranks run alone (-n 2)
 
 MODEL = """
 import torch

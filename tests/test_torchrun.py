@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from budget import free_port, run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks")]  # ranks run alone (-n 2)
 
 SCRIPTS = Path(__file__).parent / "torchrun_scripts"
 DEADLINE = 300.0  # seconds for a whole launch, restarts included, on a loaded machine
