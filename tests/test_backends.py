@@ -87,6 +87,7 @@ def test_free_memory_trims_what_glibc_keeps_after_del(python_in_subprocess):
     assert out["released"] > 300 * MiB, out
 
 
+@pytest.mark.slow
 def test_torch_backend_lists_reads_and_initialises_nothing_before_cuda_is_used(
         python_in_subprocess):
     """Looking never starts CUDA. In a fresh interpreter CUDA is not initialised, on a CPU

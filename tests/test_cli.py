@@ -18,6 +18,7 @@ def memguard(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=ENV)
 
 
+@pytest.mark.slow
 def test_info_human_and_json():
     human = memguard("info", "--no-tensorflow")
     assert human.returncode == 0, human.stderr
@@ -32,6 +33,7 @@ def test_info_human_and_json():
     assert "torch" in data["frameworks"] and "tensorflow" not in data["frameworks"]
 
 
+@pytest.mark.slow
 def test_info_shows_allocator_settings_from_the_environment():
     result = subprocess.run([sys.executable, "-m", "memguard", "info", "--no-tensorflow"],
                             capture_output=True, text=True, timeout=120,

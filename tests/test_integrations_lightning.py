@@ -61,6 +61,7 @@ def trainer(callback, **options):
     return pl.Trainer(**{**defaults, **options})
 
 
+@pytest.mark.slow
 def test_epochs_and_validation_reach_lightnings_logger(tmp_path):
     callback = MemguardCallback(log_every_n_steps=2)
     run = trainer(callback, logger=pl.loggers.CSVLogger(str(tmp_path)), log_every_n_steps=1,

@@ -37,6 +37,7 @@ def mlp() -> torch.nn.Module:
 
 # -- judged on in-use bytes ---------------------------------------------------------------------
 @needs_glibc
+@pytest.mark.slow
 def test_fifteen_clean_adamw_steps_with_varying_batch_sizes_raise_nothing():
     """Before: 2-6 of the 15 steps raised (15-157 MiB of resident-set churn)."""
     torch.manual_seed(0)

@@ -163,6 +163,7 @@ def test_a_factor_callable_may_return_any_integral_number():
                 raise MemoryError("out of memory")
 
 
+@pytest.mark.slow
 def test_cache_true_means_this_process_for_find_batch_size_as_for_oom_retry():
     trials = []
 

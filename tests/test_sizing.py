@@ -74,6 +74,7 @@ def test_predict_finds_nine_tenths_of_binsearch_in_at_most_eight_trials(python_i
     assert predict["found"] in predict["calls"]
 
 
+@pytest.mark.slow
 def test_predict_returns_a_size_that_was_seen_to_fit_and_respects_max_batch_size():
     sizes = []
 
