@@ -35,7 +35,15 @@ from ._units import format_bytes
 from .backends import level_field
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, GAVE_UP, OK, OOM, Agreement, Sync, check_sync
-from .errors import OOM_MESSAGES, MemguardError, OutOfMemoryError, oom_kind
+from .errors import (
+    OOM_MESSAGES,
+    MemguardError,
+    OutOfMemoryError,
+    chained,
+    oom_kind,
+    oom_source,
+    text_of,
+)
 from .sizes import Gauge
 from .snapshot import MemorySnapshot, snapshot
 
@@ -135,7 +143,9 @@ def error_text(exc: BaseException) -> str:
     """The out-of-memory's kind and the line of its message that says what ran out (Keras
     puts "Graph execution error:" first and the allocation's shape further down), else its
     first line, shortened."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    source = oom_source(exc)  # in a group, the out-of-memory itself, not the group's summary
+    text = text_of(exc if source is None or source in chained(exc) else source)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     line = next((line for line in lines if any(needle in line for _, needle in OOM_MESSAGES)),
                 lines[0] if lines else type(exc).__name__)
     if len(line) > 240:
