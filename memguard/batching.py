@@ -495,7 +495,10 @@ class _Mapper:
     def run(self, cut: Callable[[int, int], Any], total: int, where: Callable[[int], str],
             whole: Any = None, join: bool = False) -> None:
         """Call ``fn`` on ``cut(start, stop)`` over ``0..total`` (``whole`` as it is when the
-        size allows all of it at once); with ``join``, the slices' results joined into one."""
+        size allows all of it at once); with ``join``, the slices' results joined into one.
+        Nothing to cut (``total`` 0): no call, no result."""
+        if total == 0:
+            return
         size = total if self.size is None else min(self.size, total)
         segment = _Segment(self.fn, cut, total, max(size, 1), self.policy, self.history, where,
                            whole)
@@ -537,6 +540,11 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
       results of one batch's slices are joined into one result per input batch (tensors
       and arrays concatenated, lists end to end, tuples and dicts part by part; results of
       other kinds become the list of the slices' results).
+
+    An empty input (a sequence, structure or dataset of no items, an iterable of no batches)
+    calls ``fn`` never and returns an empty :class:`BatchResults` (or ``collate([])``): a
+    result per slice, and there is no slice. An empty batch of an iterable is still a batch
+    and goes to ``fn`` once, whole.
 
     On an out-of-memory only the failed batch (or slice) is retried, at a smaller size (half,
     by default), split along dim 0 (element-wise for tuples and dicts), and the rest goes on
