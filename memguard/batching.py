@@ -271,15 +271,16 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     (300, 20)
     """
     who = "find_batch_size"
-    positive_int(start, "start", who=who)
-    positive_int(steps, "steps", who=who)
-    if max_batch_size is not None and positive_int(max_batch_size, "max_batch_size",
-                                                   who=who) < start:
+    start = positive_int(start, "start", who=who)  # as ints, whatever integral type came
+    steps = positive_int(steps, "steps", who=who)
+    if max_batch_size is not None:
+        max_batch_size = positive_int(max_batch_size, "max_batch_size", who=who)
+    if max_batch_size is not None and max_batch_size < start:
         raise ValueError(f"{who}: max_batch_size={max_batch_size} is smaller than "
                          f"start={start}")
     if mode not in _SEARCHES:
         raise ValueError(f"{who}: mode must be 'binsearch', 'power' or 'predict', got {mode!r}")
-    fraction(margin, "margin", include_zero=True, who=who)
+    margin = fraction(margin, "margin", include_zero=True, who=who)
     policy = Policy.checked(who, max_attempts=max_attempts, on_retry=on_retry, sync=sync)
     if not isinstance(cache, bool):
         cache = check_path(cache)
@@ -587,7 +588,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     """
     policy = Policy.checked("map_batches", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
-    policy.check_start(batch_size, "map_batches")
+    batch_size = policy.check_start(batch_size, "map_batches")
     from .backends.torch_data import collate as collate_samples, is_map_dataset
 
     mapper = _Mapper(fn, batch_size, policy)

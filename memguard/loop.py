@@ -27,7 +27,7 @@ import time
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
-from ._checks import optional_positive_int, positive_int
+from ._checks import integral, optional_positive_int, positive_int, real
 from ._decorate import name_of
 from ._events import emit
 from ._locks import ForkSafeLock
@@ -208,23 +208,17 @@ def check_factor(factor: Any, who: str) -> Factor:
         return "auto"
     if callable(factor):
         return factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+    number = real(factor)  # numpy's numbers too, never a bool or NaN
+    if number is None or not 0 < number < 1:
         raise ValueError(f"{who}: factor must be a number between 0 and 1 (exclusive), 'auto' "
                          f"or a callable size -> next size, got {factor!r}")
-    return float(factor)
+    return number
 
 
 def as_size(value: Any) -> Optional[int]:
     """``value`` as an int when it is an integral number (``numpy.int64``, a 0-d integer
     tensor, ``operator.index`` works), else ``None``; never a bool."""
-    if isinstance(value, bool):
-        return None
-    import operator
-
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+    return integral(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,22 +245,21 @@ class Policy:
     def checked(cls, who: str, *, min_batch_size: Any = 1, factor: Any = 0.5,
                 max_attempts: Any = None, on_retry: Any = None, sync: Any = "auto") -> Policy:
         """The policy, each value checked, errors naming ``who``, the parameter and value."""
-        positive_int(min_batch_size, "min_batch_size", who=who)
-        optional_positive_int(max_attempts, "max_attempts", who=who)
+        least = positive_int(min_batch_size, "min_batch_size", who=who)
+        most = optional_positive_int(max_attempts, "max_attempts", who=who)
         if on_retry is not None and not callable(on_retry):
             raise TypeError(f"{who}: on_retry must be callable, got {on_retry!r}")
-        return cls(min_batch_size, check_factor(factor, who), max_attempts, on_retry,
-                   check_sync(sync, who))
+        return cls(least, check_factor(factor, who), most, on_retry, check_sync(sync, who))
 
     def check_start(self, size: Any, who: str, name: str = "batch_size") -> Optional[int]:
         """A starting ``size`` (``None``: not known yet) checked against ``min_batch_size``."""
         if size is None:
             return None
-        positive_int(size, name, who=who)
+        size = positive_int(size, name, who=who)
         if self.min_batch_size > size:
             raise ValueError(f"{who}: min_batch_size={self.min_batch_size} is larger than the "
                              f"starting {name}={size}; lower min_batch_size or start larger")
-        return int(size)
+        return size
 
     def next_size(self, size: int, estimate: Optional[int], who: str) -> int:
         """The size after an out-of-memory at ``size`` (above ``min_batch_size``):

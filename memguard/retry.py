@@ -104,9 +104,10 @@ class _Run(Loop):
         if requested is None:
             raise TypeError(f"oom_retry: {cfg.name}() got no {cfg.arg}: pass it, give the "
                             f"parameter a default, or decorate with oom_retry(batch_size=...)")
-        cfg.policy.check_start(requested, "oom_retry", cfg.arg)
-        self.requested: int = requested
-        super().__init__(cfg.name, requested, cfg.policy, owner=state)
+        start = cfg.policy.check_start(requested, "oom_retry", cfg.arg)
+        assert start is not None
+        self.requested: int = start  # an int, whatever integral number was passed
+        super().__init__(cfg.name, start, cfg.policy, owner=state)
         # A call of the function inside its own call (recursion) leaves the sizes, the cache
         # and the history to the outermost call.
         self.key: Optional[str] = None
@@ -337,7 +338,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     """
     policy = Policy.checked("oom_retry", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
-    policy.check_start(batch_size, "oom_retry")
+    batch_size = policy.check_start(batch_size, "oom_retry")
     if not isinstance(cache, bool):
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore, restore_to)
