@@ -63,7 +63,7 @@ def parse_size(value: Size, name: str = "size") -> int:
             raise ValueError(f"{name} must not be negative, got {value}")
         nbytes = whole_bytes
     else:
-        match = _SIZE_RE.match(value)
+        match = _SIZE_RE.match(str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _FACTORS:
             raise ValueError(

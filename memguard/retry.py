@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, o
 
 from ._decorate import function_kind, name_of, with_statistics
 from .backends import torch_state
-from .backends.budget import available as budget_available
+from .backends.budget import available as budget_available, device_identity
 from .distributed import Sync
 from .history import dump, start_recording, stop_recording
 from .loop import Attempt, Factor, GuardState, Loop, Policy
@@ -51,7 +51,9 @@ class RetryingFunction(Protocol[R_co]):
     def batch_size(self) -> Optional[int]: ...
 
     def reset(self) -> None:
-        """Forget the sizes that worked and the last call's attempts."""
+        """Forget the sizes that worked (with ``cache=path``, this function's entries for
+        this device in that file too) and the last call's attempts: the next call starts
+        afresh."""
 
 
 class _Config:
@@ -84,11 +86,28 @@ class _Config:
 
 class _State(GuardState):
     """What an ``oom_retry`` function remembers: the working size for each start size, the
-    last one that worked, the last call's attempts."""
+    last one that worked, the last call's attempts (and, with ``cache=path``, the sizes in
+    that file)."""
+
+    def __init__(self, cfg: _Config) -> None:
+        self.cfg = cfg
+        super().__init__()
 
     def forget(self) -> None:
         self.cache: dict[int, int] = {}
         self.batch_size: Optional[int] = None
+
+    def reset(self) -> None:
+        """Forget the sizes that worked (in this process, and with ``cache=path`` this
+        function's entries for this device in that file) and the last call's attempts: the
+        next call starts afresh, at its start size."""
+        super().reset()
+        if self.cfg.file is not None:
+            # every start size and factor of this function's code on this device
+            prefix = size_key("oom_retry", self.cfg.func, 0).split(" start=")[0] + " start="
+            suffix = f" on {device_identity()}"
+            self.cfg.file.forget(lambda key: not (key.startswith(prefix)
+                                                  and key.endswith(suffix)))
 
 
 class _Run(Loop):
@@ -187,7 +206,7 @@ class _Run(Loop):
 
 def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
     """The wrapt wrapper, with the statistics reachable on the decorated function."""
-    state = _State()
+    state = _State(cfg)
     kind = function_kind(func)
     if kind not in ("sync", "async"):
         raise TypeError(f"oom_retry cannot decorate {kind} function {cfg.name}; it takes "
@@ -299,7 +318,8 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
             keyed by the function's code (:func:`memguard.sizefile.code_identity`), the start
             size, ``factor`` and the device (written atomically under a lock; a file that is
-            not memguard's is never written, a warning says why).
+            not memguard's is never written, a warning says why); ``reset()`` forgets this
+            function's entries for this device there too.
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot
             there for each failed attempt (see :func:`record_history`).
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
