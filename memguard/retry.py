@@ -144,6 +144,9 @@ class _Run(Loop):
         if cached is not None and not self.final:
             self.size = cached
         self.size = self.agreement.smallest(self.size)
+        self.worked = self.size  # the size that worked, as the recursion below it says
+        # a recursion's records of the running attempt: (start, size that worked, records)
+        self.inner: list[tuple[int, int, list[Attempt]]] = []
         self.result: Any = None  # what the attempt that ran last returned
         self.saved: Any = None
         self.recording = False
@@ -193,14 +196,36 @@ class _Run(Loop):
             self.saved.load()  # the next attempt starts from the state the first one did
         return freed
 
+    def _begin(self) -> None:
+        self.inner = []
+        super()._begin()
+
+    def record_success(self, seconds: float) -> None:
+        """The attempt succeeded; when the function called itself inside it and those calls
+        had to shrink, what they ran at is what worked: their records stand for this
+        attempt's, and the size that worked shrinks as theirs did (their own start to what
+        worked)."""
+        inner, self.inner = self.inner, []
+        self.worked = self.size
+        if not any(len(records) > 1 for _, _, records in inner):
+            super().record_success(seconds)
+            return
+        for start, worked, records in inner:
+            for record in records:
+                self.record(record)
+            self.worked = min(self.worked, max(1, self.size * worked // start))
+
     def after_ok(self) -> None:
-        if not self.recursive:
-            with self.state.lock:
-                self.state.batch_size = self.size
-                if self.cfg.cache:
-                    self.state.cache[self.requested] = self.size
-            if self.cfg.file is not None and self.key is not None:
-                self.cfg.file.put(self.key, self.size)
+        if self.recursive:  # the call around this one in the recursion reports it
+            if isinstance(self.parent, _Run):
+                self.parent.inner.append((self.requested, self.worked, self.attempts))
+            return None
+        with self.state.lock:
+            self.state.batch_size = self.worked
+            if self.cfg.cache:
+                self.state.cache[self.requested] = self.worked
+        if self.cfg.file is not None and self.key is not None:
+            self.cfg.file.put(self.key, self.worked)
         return None
 
 
@@ -288,7 +313,11 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     outermost call the guard that gave up makes a single attempt per call, at the size it
     gave up at. So each guard walks its sizes once per outermost call: a body that never fits
     runs ``inner + outer - 1`` times (7 + 6 - 1 = 12 for sizes 64..1 inside 32..1), not
-    ``inner * outer``. In a recursion only the outermost call reads and records sizes.
+    ``inner * outer``. The same holds for the block form, :func:`attempts`, whose guard is
+    the line of code that made it. In a recursion only the outermost call reads and records
+    sizes; when the calls inside it had to shrink, their records stand for its attempt and
+    the size it records is what they ran at (scaled by their start: a call at 16 whose inner
+    call started at 16 and worked at 2 records 2).
 
     In a distributed job (``sync="auto"`` with more than one rank, or ``sync=True``) every
     rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of
