@@ -20,7 +20,7 @@ from .errors import OutOfMemoryError, oom_kind
 from .loop import Attempt, Factor, Loop, Policy, exhausted
 from .scope import peak_book
 from .sizefile import SizeFile, check_path, size_key
-from .sizes import MemoryFit
+from .sizes import AUTO_MARGIN, MemoryFit
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")
@@ -152,6 +152,7 @@ _SIGNIFICANT = 0.1  # a fit rests on measured memory of at least this share of t
 _GROWTH = 16  # the most a size grows in one trial while no fit is reliable
 _GAIN = 0.03  # a predicted size this little above the last one that fitted is not tried
 _BACKOFF = 0.05  # after each size that failed, the next is this much further below it
+_NOISE = 1 << 20  # how far one trial's measured peak may be off
 
 
 class _Predict(_Search):
@@ -210,8 +211,11 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
       failed until they are adjacent;
     - ``"predict"`` measures instead of guessing: each trial's peak memory on every device
       with a budget (CUDA's ``max_memory_allocated`` after a reset, the host's high-water
-      mark), fitted as memory = fixed + per-sample x size; while the measured memory is under
-      a tenth of what the budget that binds can give, the size grows (at most 16-fold); then
+      mark), fitted as memory = fixed + per-sample x size; while the measured memory spans
+      under a tenth of what the budget that binds can give, the size grows (at most 16-fold
+      per trial, as far as the per-sample part leaves room, the fixed part set apart once two
+      sizes are measured: a step whose weights and gradients take most of the budget still
+      grows fast); then
       it jumps to the largest size the fit says the budget holds, less 5%, verifies it with a
       trial and refits. The budget it plans against is what the device could give before the
       first trial: what a trial's allocator keeps after it (heap still mapped, a cache still
@@ -372,6 +376,29 @@ class _Probe:
         return memory
 
 
+def _growth(fit: MemoryFit, room: int, good: int) -> int:
+    """How far a size may grow while the fit is not reliable yet (its measured memory spans
+    under :data:`_SIGNIFICANT` of the room).
+
+    With one size measured, all of its memory is taken as per sample: the size whose memory
+    would be a quarter of the room, or double if even then the room holds it (memory that
+    grows with the size no faster than in proportion). With two sizes or more the fixed
+    part (weights, gradients, optimizer state: what a trial takes whatever its size) is
+    set apart, and the size grows until the per-sample part, at the most the readings allow
+    (:meth:`~memguard.sizes.MemoryFit.cautious`), would take half of what the fixed part
+    leaves: a step whose fixed part is most of the budget still grows fast.
+    """
+    top = max(s for s, _ in fit.points)
+    measured = max(max(m for s, m in fit.points if s == top), _NOISE)
+    size = max(good * 0.25 * room / measured,
+               min(2.0 * good, good * (1 - AUTO_MARGIN) * room / measured))
+    split = fit.cautious(_NOISE)
+    if split is not None:
+        fixed, per_sample = split
+        size = max(size, 0.5 * (room - fixed) / per_sample)
+    return math.floor(size)
+
+
 def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
                bad: Optional[int], failures: int) -> int:
     """The next size ``mode="predict"`` tries (``<= good`` to stop).
@@ -397,9 +424,8 @@ def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
         if largest is not None:
             predictions.append(largest)
             edges.append(fit.largest(room, margin=0.0) or 0)
-        else:  # all of the memory measured at ``good`` taken as per sample: a safe jump
-            measured = max(m for s, m in fit.points if s == max(p[0] for p in fit.points))
-            bounds.append(math.floor(good * 0.25 * room / max(measured, 1 << 20)))
+        else:
+            bounds.append(_growth(fit, room, good))
     if predictions:
         size = min(predictions + bounds)
         if size <= good * (1 + _GAIN):
