@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
+import operator
 import os
 import sys
 import warnings
@@ -23,10 +25,45 @@ def _prefix(who: Optional[str]) -> str:
     return f"{who}: " if who else ""
 
 
+def integral(value: Any) -> Optional[int]:
+    """``value`` as an ``int`` when it is an integral number (an ``int``, ``numpy.int64``, a
+    0-d integer tensor: whatever ``operator.index`` takes), else ``None``; never a bool.
+
+    >>> integral(7), integral(True), integral(2.0)
+    (7, None, None)
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def real(value: Any) -> Optional[float]:
+    """``value`` as a finite ``float`` when it is a real number (an ``int``, a ``float``,
+    ``numpy.float32``, a ``Fraction``: a ``numbers.Real``, or an integral number), else
+    ``None``; never a bool, NaN or an infinity.
+
+    >>> real(0.5), real(True), real(float("nan")), real("0.5")
+    (0.5, None, None, None)
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    if not isinstance(value, numbers.Real):
+        whole = integral(value)
+        if whole is None:
+            return None
+        value = whole
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
 def positive_int(value: Any, name: str, *, minimum: int = 1, who: Optional[str] = None,
                  hint: str = "") -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``, else a ``ValueError``
-    naming ``name`` and the value: the one check for counts such as ``top`` or a batch size.
+    """``value`` as an ``int`` if it is an integral number (see :func:`integral`: numpy's
+    integers too, not a bool) of at least ``minimum``, else a ``ValueError`` naming ``name``
+    and the value: the one check for counts such as ``top`` or a batch size.
 
     >>> positive_int(3, "top")
     3
@@ -39,10 +76,11 @@ def positive_int(value: Any, name: str, *, minimum: int = 1, who: Optional[str] 
     ...
     ValueError: frees_memory: warmup must be an int >= 0, got -1
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = integral(value)
+    if number is None or number < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{_prefix(who)}{name} must be {what}, got {value!r}{hint}")
-    return value
+    return number
 
 
 def optional_positive_int(value: Any, name: str, *, who: Optional[str] = None) -> Optional[int]:
@@ -58,8 +96,9 @@ def optional_positive_int(value: Any, name: str, *, who: Optional[str] = None) -
 
 def fraction(value: Any, name: str, *, include_zero: bool = False,
              who: Optional[str] = None) -> float:
-    """``value`` as a float if it is a number strictly between 0 and 1 (or from 0 with
-    ``include_zero``), else a ``ValueError`` naming ``name`` and the value.
+    """``value`` as a float if it is a real number (see :func:`real`: numpy's too, not a
+    bool) strictly between 0 and 1 (or from 0 with ``include_zero``), else a ``ValueError``
+    naming ``name`` and the value.
 
     >>> fraction(0.5, "factor")
     0.5
@@ -68,12 +107,11 @@ def fraction(value: Any, name: str, *, include_zero: bool = False,
     ...
     ValueError: factor must be a number between 0 and 1 (exclusive), got 1
     """
-    low_ok = (lambda v: v >= 0) if include_zero else (lambda v: v > 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not (low_ok(value) and value < 1):
+    number = real(value)
+    if number is None or not ((number >= 0 if include_zero else number > 0) and number < 1):
         span = "in [0, 1)" if include_zero else "between 0 and 1 (exclusive)"
         raise ValueError(f"{_prefix(who)}{name} must be a number {span}, got {value!r}")
-    return float(value)
+    return number
 
 
 def positive_number(value: Any, name: str, *, unit: str = "", who: Optional[str] = None,
@@ -84,12 +122,12 @@ def positive_number(value: Any, name: str, *, unit: str = "", who: Optional[str]
     >>> positive_number(0.1, "interval", unit="seconds")
     0.1
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
+    number = real(value)
+    if number is None or number <= 0:
         of = f" of {unit}" if unit else ""
         raise ValueError(f"{_prefix(who)}{name} must be a positive, finite number{of}, got "
                          f"{value!r}{hint}")
-    return float(value)
+    return number
 
 
 def flag(value: Any, name: str, *, who: Optional[str] = None) -> bool:

@@ -7,6 +7,8 @@ import re
 import reprlib
 from typing import Sequence, Union
 
+from ._checks import integral
+
 Size = Union[int, str]
 
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -23,11 +25,12 @@ MAX_SIZE = 2**63 - 1
 def parse_size(value: Size, name: str = "size") -> int:
     """Return ``value`` in bytes.
 
-    ``value`` is a non-negative int (bytes) or a string with a unit: binary units
-    (``KiB``, ``MiB``, ``GiB``, ``TiB``, or the short ``K``/``M``/``G``/``T``), decimal units
-    (``kB``, ``MB``, ``GB``, ``TB``) or ``B``. Units are case-insensitive. A wrong type is a
-    ``TypeError``, an unreadable, negative or impossibly large value (over :data:`MAX_SIZE`) a
-    ``ValueError``; both name ``name`` and the value.
+    ``value`` is a non-negative int (bytes; any integral number, ``numpy.int64`` too) or a
+    string with a unit: binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``, or the short
+    ``K``/``M``/``G``/``T``), decimal units (``kB``, ``MB``, ``GB``, ``TB``) or ``B``. Units
+    are case-insensitive. A wrong type is a ``TypeError``, an unreadable, negative or
+    impossibly large value (over :data:`MAX_SIZE`) a ``ValueError``; both name ``name`` and
+    the value.
 
     Args:
         value: bytes (an int) or a string such as ``"512MiB"`` or ``"1.5GB"``.
@@ -49,17 +52,18 @@ def parse_size(value: Size, name: str = "size") -> int:
     ...
     ValueError: max_leak: '999...999' is more bytes than any memory holds (at most ...
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    whole_bytes = None if isinstance(value, str) else integral(value)
+    if whole_bytes is None and not isinstance(value, str):
         raise TypeError(
             f"{name} must be an int (bytes) or a string such as '512MiB', got {value!r} "
             f"of type {type(value).__name__}"
         )
-    if isinstance(value, int):
-        if value < 0:
+    if whole_bytes is not None:
+        if whole_bytes < 0:
             raise ValueError(f"{name} must not be negative, got {value}")
-        nbytes = value
+        nbytes = whole_bytes
     else:
-        match = _SIZE_RE.match(value)
+        match = _SIZE_RE.match(str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _FACTORS:
             raise ValueError(

@@ -20,7 +20,7 @@ from .errors import OutOfMemoryError, oom_kind
 from .loop import Attempt, Factor, Loop, Policy, exhausted
 from .scope import peak_book
 from .sizefile import SizeFile, check_path, size_key
-from .sizes import MemoryFit
+from .sizes import AUTO_MARGIN, MemoryFit
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")
@@ -152,6 +152,7 @@ _SIGNIFICANT = 0.1  # a fit rests on measured memory of at least this share of t
 _GROWTH = 16  # the most a size grows in one trial while no fit is reliable
 _GAIN = 0.03  # a predicted size this little above the last one that fitted is not tried
 _BACKOFF = 0.05  # after each size that failed, the next is this much further below it
+_NOISE = 1 << 20  # how far one trial's measured peak may be off
 
 
 class _Predict(_Search):
@@ -210,8 +211,11 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
       failed until they are adjacent;
     - ``"predict"`` measures instead of guessing: each trial's peak memory on every device
       with a budget (CUDA's ``max_memory_allocated`` after a reset, the host's high-water
-      mark), fitted as memory = fixed + per-sample x size; while the measured memory is under
-      a tenth of what the budget that binds can give, the size grows (at most 16-fold); then
+      mark), fitted as memory = fixed + per-sample x size; while the measured memory spans
+      under a tenth of what the budget that binds can give, the size grows (at most 16-fold
+      per trial, as far as the per-sample part leaves room, the fixed part set apart once two
+      sizes are measured: a step whose weights and gradients take most of the budget still
+      grows fast); then
       it jumps to the largest size the fit says the budget holds, less 5%, verifies it with a
       trial and refits. The budget it plans against is what the device could give before the
       first trial: what a trial's allocator keeps after it (heap still mapped, a cache still
@@ -271,15 +275,16 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     (300, 20)
     """
     who = "find_batch_size"
-    positive_int(start, "start", who=who)
-    positive_int(steps, "steps", who=who)
-    if max_batch_size is not None and positive_int(max_batch_size, "max_batch_size",
-                                                   who=who) < start:
+    start = positive_int(start, "start", who=who)  # as ints, whatever integral type came
+    steps = positive_int(steps, "steps", who=who)
+    if max_batch_size is not None:
+        max_batch_size = positive_int(max_batch_size, "max_batch_size", who=who)
+    if max_batch_size is not None and max_batch_size < start:
         raise ValueError(f"{who}: max_batch_size={max_batch_size} is smaller than "
                          f"start={start}")
     if mode not in _SEARCHES:
         raise ValueError(f"{who}: mode must be 'binsearch', 'power' or 'predict', got {mode!r}")
-    fraction(margin, "margin", include_zero=True, who=who)
+    margin = fraction(margin, "margin", include_zero=True, who=who)
     policy = Policy.checked(who, max_attempts=max_attempts, on_retry=on_retry, sync=sync)
     if not isinstance(cache, bool):
         cache = check_path(cache)
@@ -371,6 +376,29 @@ class _Probe:
         return memory
 
 
+def _growth(fit: MemoryFit, room: int, good: int) -> int:
+    """How far a size may grow while the fit is not reliable yet (its measured memory spans
+    under :data:`_SIGNIFICANT` of the room).
+
+    With one size measured, all of its memory is taken as per sample: the size whose memory
+    would be a quarter of the room, or double if even then the room holds it (memory that
+    grows with the size no faster than in proportion). With two sizes or more the fixed
+    part (weights, gradients, optimizer state: what a trial takes whatever its size) is
+    set apart, and the size grows until the per-sample part, at the most the readings allow
+    (:meth:`~memguard.sizes.MemoryFit.cautious`), would take half of what the fixed part
+    leaves: a step whose fixed part is most of the budget still grows fast.
+    """
+    top = max(s for s, _ in fit.points)
+    measured = max(max(m for s, m in fit.points if s == top), _NOISE)
+    size = max(good * 0.25 * room / measured,
+               min(2.0 * good, good * (1 - AUTO_MARGIN) * room / measured))
+    split = fit.cautious(_NOISE)
+    if split is not None:
+        fixed, per_sample = split
+        size = max(size, 0.5 * (room - fixed) / per_sample)
+    return math.floor(size)
+
+
 def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
                bad: Optional[int], failures: int) -> int:
     """The next size ``mode="predict"`` tries (``<= good`` to stop).
@@ -396,9 +424,8 @@ def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
         if largest is not None:
             predictions.append(largest)
             edges.append(fit.largest(room, margin=0.0) or 0)
-        else:  # all of the memory measured at ``good`` taken as per sample: a safe jump
-            measured = max(m for s, m in fit.points if s == max(p[0] for p in fit.points))
-            bounds.append(math.floor(good * 0.25 * room / max(measured, 1 << 20)))
+        else:
+            bounds.append(_growth(fit, room, good))
     if predictions:
         size = min(predictions + bounds)
         if size <= good * (1 + _GAIN):
@@ -495,7 +522,10 @@ class _Mapper:
     def run(self, cut: Callable[[int, int], Any], total: int, where: Callable[[int], str],
             whole: Any = None, join: bool = False) -> None:
         """Call ``fn`` on ``cut(start, stop)`` over ``0..total`` (``whole`` as it is when the
-        size allows all of it at once); with ``join``, the slices' results joined into one."""
+        size allows all of it at once); with ``join``, the slices' results joined into one.
+        Nothing to cut (``total`` 0): no call, no result."""
+        if total == 0:
+            return
         size = total if self.size is None else min(self.size, total)
         segment = _Segment(self.fn, cut, total, max(size, 1), self.policy, self.history, where,
                            whole)
@@ -538,6 +568,11 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
       and arrays concatenated, lists end to end, tuples and dicts part by part; results of
       other kinds become the list of the slices' results).
 
+    An empty input (a sequence, structure or dataset of no items, an iterable of no batches)
+    calls ``fn`` never and returns an empty :class:`BatchResults` (or ``collate([])``): a
+    result per slice, and there is no slice. An empty batch of an iterable is still a batch
+    and goes to ``fn`` once, whole.
+
     On an out-of-memory only the failed batch (or slice) is retried, at a smaller size (half,
     by default), split along dim 0 (element-wise for tuples and dicts), and the rest goes on
     at that size: finished work is never recomputed. The policy arguments mean what they mean
@@ -579,7 +614,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     """
     policy = Policy.checked("map_batches", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
-    policy.check_start(batch_size, "map_batches")
+    batch_size = policy.check_start(batch_size, "map_batches")
     from .backends.torch_data import collate as collate_samples, is_map_dataset
 
     mapper = _Mapper(fn, batch_size, policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -153,10 +154,43 @@ _WORKER = re.compile(r"\ACaught \w+ in DataLoader worker process \d+\.\n")
 _FRAME = re.compile(r'^  File "[^\n]*\n(?:    [^\n]*\n)*', re.MULTILINE)
 
 
+# Python 3.11's exception groups (``asyncio.TaskGroup``, ``except*``); absent on 3.10.
+_GROUP: Optional[type] = getattr(builtins, "BaseExceptionGroup", None)
+
+
+def text_of(exc: Any) -> str:
+    """``str(exc)``, or ``""`` when the exception's ``__str__`` itself raises: an exception
+    that cannot be printed is judged by its type alone, and never replaced by the error its
+    ``__str__`` raised.
+
+    >>> class Unprintable(RuntimeError):
+    ...     def __str__(self):
+    ...         raise ValueError("no")
+    >>> text_of(Unprintable()), text_of(KeyError("k"))
+    ('', "'k'")
+    """
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not mask the exception itself
+        return ""
+
+
+def _leaves(group: Any) -> list[BaseException]:
+    """The exceptions an exception group holds, groups inside it flattened."""
+    found: list[BaseException] = []
+    for inner in getattr(group, "exceptions", ()):
+        if _GROUP is not None and isinstance(inner, _GROUP):
+            found.extend(_leaves(inner))
+        else:
+            found.append(inner)
+    return found
+
+
 def chained(exc: Any, *, context: bool = False) -> Iterator[BaseException]:
     """``exc`` and the exceptions it was raised from (its ``__cause__`` chain), each once,
-    outermost first; with ``context=True`` also every ``__context__`` (all that a traceback
-    shows). Nothing for what is not an exception.
+    outermost first; with ``context=True`` also every ``__context__`` and the exceptions an
+    exception group holds (all that a traceback shows). Nothing for what is not an
+    exception.
 
     >>> try:
     ...     try:
@@ -176,6 +210,7 @@ def chained(exc: Any, *, context: bool = False) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         if context:
+            stack.extend(reversed(getattr(current, "exceptions", ())))
             stack.append(current.__context__)
         stack.append(current.__cause__)
 
@@ -188,10 +223,33 @@ def _recognised(exc: Any) -> Optional[tuple[BaseException, str]]:
     for current in chained(exc):
         if not isinstance(current, Exception):
             return None
+        if _GROUP is not None and isinstance(current, _GROUP):
+            # A group is an out-of-memory when every exception in it is one (the first
+            # stands for it); one other error in it and the group is that error's, to raise.
+            found = [_recognised(leaf) for leaf in _leaves(current)]
+            if found and all(found):
+                return found[0]
+            return None
         kind = _own_kind(current)
         if kind is not None:
             return current, kind
     return None
+
+
+def oom_source(exc: Any) -> Optional[BaseException]:
+    """The exception that says ``exc`` is an out-of-memory: ``exc`` itself, one along its
+    ``__cause__`` chain, or the first in an exception group of out-of-memory errors;
+    ``None`` when ``exc`` is not one.
+
+    >>> oom = MemoryError("out of memory")
+    >>> try:
+    ...     raise ValueError("loading failed") from oom
+    ... except ValueError as exc:
+    ...     oom_source(exc) is oom
+    True
+    """
+    found = _recognised(exc)
+    return None if found is None else found[0]
 
 
 def oom_kind(exc: Any) -> str | None:
@@ -214,7 +272,7 @@ def _own_kind(exc: BaseException) -> str | None:
         return "torch.OutOfMemoryError"
     if not any(cls.__name__ in _MESSAGE_CLASSES for cls in type(exc).__mro__):
         return None
-    text = str(exc)
+    text = text_of(exc)
     worker = _WORKER.match(text)
     if worker:
         text = _FRAME.split(text)[-1]
@@ -245,8 +303,12 @@ def is_oom_error(exc: Any) -> bool:
     it is a new error, a bug in a handler say, and retrying would hide it. Exceptions outside
     ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``,
     ``asyncio.CancelledError``) never are, whatever their chain, and neither is anything that
-    is not an exception (``False``, never an error). oneDNN's ``could not create a primitive``
-    is not recognised: its message does not say whether memory was the cause.
+    is not an exception (``False``, never an error). An exception group (``asyncio.TaskGroup``,
+    ``except*``) is one when every exception in it, nested groups flattened, is one; a group
+    that also holds any other error is not (that error must reach the program). An exception
+    whose ``__str__`` raises is judged by its type alone (``MemoryError`` and torch's
+    ``OutOfMemoryError`` are recognised, a message rule cannot be). oneDNN's ``could not
+    create a primitive`` is not recognised: its message does not say whether memory was the cause.
 
     Args:
         exc: any object; only exceptions can be out-of-memory errors.
@@ -293,7 +355,10 @@ def requested_bytes(exc: Any) -> Optional[int]:
     20971520
     """
     for current in chained(exc):
-        text = str(current)
+        if _GROUP is not None and isinstance(current, _GROUP):
+            asked = [requested_bytes(leaf) for leaf in _leaves(current)]
+            return max((a for a in asked if a is not None), default=None)
+        text = text_of(current)
         for pattern in _REQUEST_PATTERNS:
             match = pattern.search(text)
             if match:
@@ -319,7 +384,7 @@ def oom_device(exc: Any) -> str:
     """
     found = _recognised(exc)
     source, kind = found if found is not None else (exc, "")
-    text = str(source)
+    text = text_of(source)
     match = _GPU_INDEX.search(text)
     if match:
         return f"cuda:{match.group(1)}"

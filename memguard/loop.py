@@ -21,13 +21,16 @@ policy) mean the same everywhere: ``min_batch_size``, ``factor``, ``max_attempts
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
+import sys
 import time
-from contextvars import ContextVar, Token
-from typing import Any, Callable, Iterator, Literal, Optional, Union
+from contextvars import ContextVar
+from types import FrameType
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional, Union
 
-from ._checks import optional_positive_int, positive_int
+from ._checks import integral, optional_positive_int, positive_int, real
 from ._decorate import name_of
 from ._events import emit
 from ._locks import ForkSafeLock
@@ -35,7 +38,15 @@ from ._units import format_bytes
 from .backends import level_field
 from .cleanup import drop_frames, free_memory
 from .distributed import FAILED, GAVE_UP, OK, OOM, Agreement, Sync, check_sync
-from .errors import OOM_MESSAGES, MemguardError, OutOfMemoryError, oom_kind
+from .errors import (
+    OOM_MESSAGES,
+    MemguardError,
+    OutOfMemoryError,
+    chained,
+    oom_kind,
+    oom_source,
+    text_of,
+)
 from .sizes import Gauge
 from .snapshot import MemorySnapshot, snapshot
 
@@ -135,7 +146,9 @@ def error_text(exc: BaseException) -> str:
     """The out-of-memory's kind and the line of its message that says what ran out (Keras
     puts "Graph execution error:" first and the allocation's shape further down), else its
     first line, shortened."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    source = oom_source(exc)  # in a group, the out-of-memory itself, not the group's summary
+    text = text_of(exc if source is None or source in chained(exc) else source)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     line = next((line for line in lines if any(needle in line for _, needle in OOM_MESSAGES)),
                 lines[0] if lines else type(exc).__name__)
     if len(line) > 240:
@@ -198,23 +211,17 @@ def check_factor(factor: Any, who: str) -> Factor:
         return "auto"
     if callable(factor):
         return factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+    number = real(factor)  # numpy's numbers too, never a bool or NaN
+    if number is None or not 0 < number < 1:
         raise ValueError(f"{who}: factor must be a number between 0 and 1 (exclusive), 'auto' "
                          f"or a callable size -> next size, got {factor!r}")
-    return float(factor)
+    return number
 
 
 def as_size(value: Any) -> Optional[int]:
     """``value`` as an int when it is an integral number (``numpy.int64``, a 0-d integer
     tensor, ``operator.index`` works), else ``None``; never a bool."""
-    if isinstance(value, bool):
-        return None
-    import operator
-
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+    return integral(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,22 +248,21 @@ class Policy:
     def checked(cls, who: str, *, min_batch_size: Any = 1, factor: Any = 0.5,
                 max_attempts: Any = None, on_retry: Any = None, sync: Any = "auto") -> Policy:
         """The policy, each value checked, errors naming ``who``, the parameter and value."""
-        positive_int(min_batch_size, "min_batch_size", who=who)
-        optional_positive_int(max_attempts, "max_attempts", who=who)
+        least = positive_int(min_batch_size, "min_batch_size", who=who)
+        most = optional_positive_int(max_attempts, "max_attempts", who=who)
         if on_retry is not None and not callable(on_retry):
             raise TypeError(f"{who}: on_retry must be callable, got {on_retry!r}")
-        return cls(min_batch_size, check_factor(factor, who), max_attempts, on_retry,
-                   check_sync(sync, who))
+        return cls(least, check_factor(factor, who), most, on_retry, check_sync(sync, who))
 
     def check_start(self, size: Any, who: str, name: str = "batch_size") -> Optional[int]:
         """A starting ``size`` (``None``: not known yet) checked against ``min_batch_size``."""
         if size is None:
             return None
-        positive_int(size, name, who=who)
+        size = positive_int(size, name, who=who)
         if self.min_batch_size > size:
             raise ValueError(f"{who}: min_batch_size={self.min_batch_size} is larger than the "
                              f"starting {name}={size}; lower min_batch_size or start larger")
-        return int(size)
+        return size
 
     def next_size(self, size: int, estimate: Optional[int], who: str) -> int:
         """The size after an out-of-memory at ``size`` (above ``min_batch_size``):
@@ -285,35 +291,74 @@ class Policy:
 
 # -- nesting -------------------------------------------------------------------------------------
 
-_Nest = tuple[tuple[Any, ...], dict[Any, int]]
-"""The loops running in one context, outermost first (each by its owner), and the size at
-which each owner gave up during the outermost call (a plain tuple: made at every attempt)."""
+class _Entry(NamedTuple):
+    """One attempt running in a context: whose loop (``owner``), the loop itself (``None``
+    for a pass that is not a :class:`Loop`), the generator frame that entered it (``None``
+    unless a generator did) and the size each owner gave up at during the outermost call."""
+
+    owner: Any
+    loop: Optional[Loop]
+    frame: Optional[FrameType]
+    gave_up: dict[Any, int]
+
+
+_Nest = tuple[_Entry, ...]
+"""The attempts running in one context, outermost first (a plain tuple: made at every
+attempt)."""
 
 # Per task and per thread, as contexts are: a loop started inside another's attempt nests.
-_NEST: ContextVar[Optional[_Nest]] = ContextVar("memguard_attempts_nest", default=None)
+_NEST: ContextVar[_Nest] = ContextVar("memguard_attempts_nest", default=())
+# A generator runs in its consumer's context: one suspended (at a ``yield``) inside ``with
+# attempt:`` leaves its entry there while the consumer goes on.
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+
+
+def _live(nest: _Nest) -> _Nest:
+    """``nest`` without the attempts of generators suspended inside them: an attempt entered
+    by a generator runs only while that generator's frame is on the stack."""
+    if all(entry.frame is None for entry in nest):
+        return nest
+    stack = set()
+    frame: Optional[FrameType] = sys._getframe(1)  # noqa: SLF001 - the stack itself
+    while frame is not None:
+        stack.add(id(frame))
+        frame = frame.f_back
+    return tuple(entry for entry in nest if entry.frame is None or id(entry.frame) in stack)
 
 
 def running() -> bool:
     """Whether an attempt of a sizing loop (``oom_retry``, ``auto_microbatch``,
     ``memguard.attempts``...) runs in this thread or task: an out-of-memory raised here will
-    be logged and handled by that loop.
+    be logged and handled by that loop. An attempt that a generator entered and then left
+    suspended at a ``yield`` does not run.
 
     >>> running()
     False
     """
-    return _NEST.get() is not None
-
-
-def enter_attempt(owner: Any, gave_up: dict[Any, int]) -> Token:
-    """Mark an attempt of ``owner``'s loop as running in this context (loops started inside
-    it nest; ``gave_up`` is the outermost call's record); :func:`leave_attempt` ends it."""
     nest = _NEST.get()
-    return _NEST.set(((owner,) if nest is None else nest[0] + (owner,), gave_up))
+    return bool(nest) and bool(_live(nest))
 
 
-def leave_attempt(token: Token) -> None:
-    """End what :func:`enter_attempt` started."""
-    _NEST.reset(token)
+def enter_attempt(owner: Any, gave_up: dict[Any, int], loop: Optional[Loop] = None,
+                  depth: int = 1) -> _Entry:
+    """Mark an attempt of ``owner``'s loop (``loop``) as running in this context, entered by
+    the frame ``depth`` calls up (loops started inside it nest; ``gave_up`` is the outermost
+    call's record); :func:`leave_attempt` ends it."""
+    frame = sys._getframe(depth)  # noqa: SLF001 - is it a generator's?
+    entry = _Entry(owner, loop, frame if frame.f_code.co_flags & _SUSPENDABLE else None,
+                   gave_up)
+    _NEST.set(_NEST.get() + (entry,))
+    return entry
+
+
+def leave_attempt(entry: _Entry) -> None:
+    """End what :func:`enter_attempt` started: its entry is removed wherever it stands (a
+    generator may leave its attempt after its consumer entered another)."""
+    nest = _NEST.get()
+    if nest and nest[-1] is entry:
+        _NEST.set(nest[:-1])
+    elif any(other is entry for other in nest):
+        _NEST.set(tuple(other for other in nest if other is not entry))
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -332,7 +377,9 @@ class Loop:
     :class:`OutOfMemoryError`), the loop around it retries at its own smaller size, and for the
     rest of that outermost call the loop that gave up (the same ``owner``) makes one attempt,
     at the size it gave up at. So each loop walks its sizes once per outermost call: a body
-    that never fits runs ``inner + outer - 1`` times, not ``inner * outer``.
+    that never fits runs ``inner + outer - 1`` times, not ``inner * outer``. The owner is the
+    guard: a decorated function's state, the line of code that made a block form. An attempt
+    a generator entered and left suspended at a ``yield`` is not around its consumer's code.
 
     ``peers``: what a rank whose attempt succeeded does when another rank ran out of memory:
     ``"redo"`` (all retry at the same smaller size: ``oom_retry``, ``map_batches``) or
@@ -348,12 +395,15 @@ class Loop:
                  history: Optional[list[Attempt]] = None) -> None:
         self.who = who
         self.policy = policy
-        nest = _NEST.get()
+        nest = _live(_NEST.get())
         self.owner = self if owner is None else owner
-        self.nested = nest is not None
-        # a loop of the same owner inside its own attempt: a recursion
-        self.recursive = nest is not None and self.owner in nest[0]
-        self.gave_up: dict[Any, int] = nest[1] if nest is not None else {}
+        self.nested = bool(nest)
+        # a loop of the same owner inside its own attempt: a recursion; ``parent`` is the
+        # loop of that owner's innermost attempt
+        self.parent: Optional[Loop] = next(
+            (entry.loop for entry in reversed(nest) if entry.owner == self.owner), None)
+        self.recursive = any(entry.owner == self.owner for entry in nest)
+        self.gave_up: dict[Any, int] = nest[-1].gave_up if nest else {}
         resumed = self.gave_up.get(self.owner)
         self.final = resumed is not None  # it gave up earlier in this outermost call
         if resumed is not None:
@@ -587,17 +637,23 @@ class AttemptBlock:
         self.loop = loop
         self.batch_size = loop.size
         self.number = len(loop.attempts) + 1
-        self._token: Any = None
+        self._token: Any = None  # the running attempt's entry; False once it has run
 
     def __enter__(self) -> AttemptBlock:
         loop = self.loop
-        self._token = enter_attempt(loop.owner, loop.gave_up)
+        if self._token is not None:
+            raise RuntimeError(f"{loop.who}: {self!r} has already "
+                               f"{'run' if self._token is False else 'been entered'}; each "
+                               f"attempt runs once: run the next one the loop gives (`for "
+                               f"attempt in loop: with attempt: ...`)")
+        self._token = enter_attempt(loop.owner, loop.gave_up, loop, depth=2)
         loop._begin()  # noqa: SLF001 - the loop's own block
         return self
 
     def __exit__(self, kind: Optional[type], exc: Optional[BaseException],
                  traceback: Any) -> bool:
         leave_attempt(self._token)
+        self._token = False
         return self.loop._exit(exc)  # noqa: SLF001 - the loop's own block
 
     def __repr__(self) -> str:
@@ -645,6 +701,13 @@ def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
     (see :func:`is_oom_error`) is recorded and suppressed, the loop frees the memory outside
     the exception handling and the next attempt runs at the smaller size. Any other exception
     leaves the loop untouched. The policy arguments mean what they mean to :func:`oom_retry`.
+    Each attempt runs once: entering a block again is a ``RuntimeError``.
+
+    Nested inside another guard's attempt (an ``oom_retry`` function, ``auto_microbatch``,
+    another block form), a block form follows the one rule every guard follows (see
+    :func:`oom_retry`): the loop made at one line of code is one guard, which walks its sizes
+    once per outermost call and, once it has given up, makes a single attempt at that size
+    for the rest of that call while the guard around it shrinks.
 
     Args:
         batch_size: the size of the first attempt.
@@ -677,4 +740,7 @@ def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
     start = policy.check_start(batch_size, name)
     assert start is not None
-    return Attempts(name, start, policy)
+    # The guard is the place in the code, as a decorated function is its code: a loop made
+    # at the same line inside another guard's attempt is the same guard (see Loop: nesting).
+    caller = sys._getframe(1)  # noqa: SLF001 - the caller's line
+    return Attempts(name, start, policy, owner=("attempts", caller.f_code, caller.f_lineno))

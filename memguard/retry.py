@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, o
 
 from ._decorate import function_kind, name_of, with_statistics
 from .backends import torch_state
-from .backends.budget import available as budget_available
+from .backends.budget import available as budget_available, device_identity
 from .distributed import Sync
 from .history import dump, start_recording, stop_recording
 from .loop import Attempt, Factor, GuardState, Loop, Policy
@@ -51,7 +51,9 @@ class RetryingFunction(Protocol[R_co]):
     def batch_size(self) -> Optional[int]: ...
 
     def reset(self) -> None:
-        """Forget the sizes that worked and the last call's attempts."""
+        """Forget the sizes that worked (with ``cache=path``, this function's entries for
+        this device in that file too) and the last call's attempts: the next call starts
+        afresh."""
 
 
 class _Config:
@@ -84,11 +86,28 @@ class _Config:
 
 class _State(GuardState):
     """What an ``oom_retry`` function remembers: the working size for each start size, the
-    last one that worked, the last call's attempts."""
+    last one that worked, the last call's attempts (and, with ``cache=path``, the sizes in
+    that file)."""
+
+    def __init__(self, cfg: _Config) -> None:
+        self.cfg = cfg
+        super().__init__()
 
     def forget(self) -> None:
         self.cache: dict[int, int] = {}
         self.batch_size: Optional[int] = None
+
+    def reset(self) -> None:
+        """Forget the sizes that worked (in this process, and with ``cache=path`` this
+        function's entries for this device in that file) and the last call's attempts: the
+        next call starts afresh, at its start size."""
+        super().reset()
+        if self.cfg.file is not None:
+            # every start size and factor of this function's code on this device
+            prefix = size_key("oom_retry", self.cfg.func, 0).split(" start=")[0] + " start="
+            suffix = f" on {device_identity()}"
+            self.cfg.file.forget(lambda key: not (key.startswith(prefix)
+                                                  and key.endswith(suffix)))
 
 
 class _Run(Loop):
@@ -104,9 +123,10 @@ class _Run(Loop):
         if requested is None:
             raise TypeError(f"oom_retry: {cfg.name}() got no {cfg.arg}: pass it, give the "
                             f"parameter a default, or decorate with oom_retry(batch_size=...)")
-        cfg.policy.check_start(requested, "oom_retry", cfg.arg)
-        self.requested: int = requested
-        super().__init__(cfg.name, requested, cfg.policy, owner=state)
+        start = cfg.policy.check_start(requested, "oom_retry", cfg.arg)
+        assert start is not None
+        self.requested: int = start  # an int, whatever integral number was passed
+        super().__init__(cfg.name, start, cfg.policy, owner=state)
         # A call of the function inside its own call (recursion) leaves the sizes, the cache
         # and the history to the outermost call.
         self.key: Optional[str] = None
@@ -124,6 +144,9 @@ class _Run(Loop):
         if cached is not None and not self.final:
             self.size = cached
         self.size = self.agreement.smallest(self.size)
+        self.worked = self.size  # the size that worked, as the recursion below it says
+        # a recursion's records of the running attempt: (start, size that worked, records)
+        self.inner: list[tuple[int, int, list[Attempt]]] = []
         self.result: Any = None  # what the attempt that ran last returned
         self.saved: Any = None
         self.recording = False
@@ -173,20 +196,42 @@ class _Run(Loop):
             self.saved.load()  # the next attempt starts from the state the first one did
         return freed
 
+    def _begin(self) -> None:
+        self.inner = []
+        super()._begin()
+
+    def record_success(self, seconds: float) -> None:
+        """The attempt succeeded; when the function called itself inside it and those calls
+        had to shrink, what they ran at is what worked: their records stand for this
+        attempt's, and the size that worked shrinks as theirs did (their own start to what
+        worked)."""
+        inner, self.inner = self.inner, []
+        self.worked = self.size
+        if not any(len(records) > 1 for _, _, records in inner):
+            super().record_success(seconds)
+            return
+        for start, worked, records in inner:
+            for record in records:
+                self.record(record)
+            self.worked = min(self.worked, max(1, self.size * worked // start))
+
     def after_ok(self) -> None:
-        if not self.recursive:
-            with self.state.lock:
-                self.state.batch_size = self.size
-                if self.cfg.cache:
-                    self.state.cache[self.requested] = self.size
-            if self.cfg.file is not None and self.key is not None:
-                self.cfg.file.put(self.key, self.size)
+        if self.recursive:  # the call around this one in the recursion reports it
+            if isinstance(self.parent, _Run):
+                self.parent.inner.append((self.requested, self.worked, self.attempts))
+            return None
+        with self.state.lock:
+            self.state.batch_size = self.worked
+            if self.cfg.cache:
+                self.state.cache[self.requested] = self.worked
+        if self.cfg.file is not None and self.key is not None:
+            self.cfg.file.put(self.key, self.worked)
         return None
 
 
 def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
     """The wrapt wrapper, with the statistics reachable on the decorated function."""
-    state = _State()
+    state = _State(cfg)
     kind = function_kind(func)
     if kind not in ("sync", "async"):
         raise TypeError(f"oom_retry cannot decorate {kind} function {cfg.name}; it takes "
@@ -268,7 +313,11 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     outermost call the guard that gave up makes a single attempt per call, at the size it
     gave up at. So each guard walks its sizes once per outermost call: a body that never fits
     runs ``inner + outer - 1`` times (7 + 6 - 1 = 12 for sizes 64..1 inside 32..1), not
-    ``inner * outer``. In a recursion only the outermost call reads and records sizes.
+    ``inner * outer``. The same holds for the block form, :func:`attempts`, whose guard is
+    the line of code that made it. In a recursion only the outermost call reads and records
+    sizes; when the calls inside it had to shrink, their records stand for its attempt and
+    the size it records is what they ran at (scaled by their start: a call at 16 whose inner
+    call started at 16 and worked at 2 records 2).
 
     In a distributed job (``sync="auto"`` with more than one rank, or ``sync=True``) every
     rank reports after each attempt on a gloo group of memguard's own: if any rank ran out of
@@ -298,7 +347,8 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
             keyed by the function's code (:func:`memguard.sizefile.code_identity`), the start
             size, ``factor`` and the device (written atomically under a lock; a file that is
-            not memguard's is never written, a warning says why).
+            not memguard's is never written, a warning says why); ``reset()`` forgets this
+            function's entries for this device there too.
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot
             there for each failed attempt (see :func:`record_history`).
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
@@ -337,7 +387,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
     """
     policy = Policy.checked("oom_retry", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
-    policy.check_start(batch_size, "oom_retry")
+    batch_size = policy.check_start(batch_size, "oom_retry")
     if not isinstance(cache, bool):
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore, restore_to)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from ._checks import warn_at_caller
 from .backends.budget import device_identity
@@ -325,6 +325,40 @@ class SizeFile:
             self._warn(f"memguard: cannot write the size file {self.path!r} ({exc}); the size "
                        f"is not kept. Pass another path as cache=, or make its folder "
                        f"writable")
+
+    def forget(self, keep: Callable[[str], bool]) -> int:
+        """Drop every entry whose key ``keep`` refuses, under the lock as :meth:`put`
+        writes; a missing file stays missing, a file that must not be written is left as it
+        is, with a warning (never an exception).
+
+        Args:
+            keep: ``key -> bool``: whether the entry stays.
+
+        Returns:
+            How many entries were dropped.
+        """
+        sizes, problem = self._inspect()
+        if not sizes or all(keep(key) for key in sizes):
+            return 0  # nothing of ours (or no file): nothing to write
+        if problem is not None:
+            self._warn(problem)
+            return 0
+        real = os.path.realpath(self.path)
+        try:
+            with _FileLock(real + ".lock"):
+                sizes, problem = self._inspect()
+                if sizes is None or problem is not None:
+                    self._warn(problem or self._foreign("changed while being written"))
+                    return 0
+                kept = {key: size for key, size in sizes.items() if keep(key)}
+                if len(kept) < len(sizes):
+                    self._write(real, os.path.dirname(real), kept)
+                return len(sizes) - len(kept)
+        except OSError as exc:
+            self._warn(f"memguard: cannot write the size file {self.path!r} ({exc}); the "
+                       f"sizes in it are not forgotten. Make its folder writable, or delete "
+                       f"the file")
+            return 0
 
     def _write(self, real: str, folder: str, sizes: dict[str, int]) -> None:
         import json

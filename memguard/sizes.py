@@ -84,6 +84,27 @@ class MemoryFit:
         line = self.line()
         return None if line is None else line[1]
 
+    def cautious(self, noise: int) -> Optional[tuple[float, float]]:
+        """``(fixed, per_sample)`` with ``per_sample`` the most the points allow when each
+        reading may be ``noise`` bytes off (the fitted slope, or 0, plus ``noise`` over the
+        span of sizes) and ``fixed`` what the smallest size's memory then leaves; ``None``
+        with fewer than two sizes. What the fixed part of a step is (weights, gradients,
+        optimizer state) is never taken for per-sample memory, so growth that rests on it
+        is not slowed by it.
+
+        >>> fit = MemoryFit()
+        >>> fit.add(1, 101 * 2**20); fit.add(2, 102 * 2**20)
+        >>> [round(v / 2**20) for v in fit.cautious(2**20)]
+        [99, 2]
+        """
+        sizes = sorted({s for s, _ in self.points})
+        if len(sizes) < 2:
+            return None
+        line = self.line()
+        per_sample = (line[1] if line is not None else 0.0) + noise / (sizes[-1] - sizes[0])
+        smallest = min(m for s, m in self.points if s == sizes[0])
+        return max(0.0, smallest - per_sample * sizes[0]), per_sample
+
     def spread(self) -> int:
         """The largest measured memory less the smallest: how much the fit rests on."""
         memories = [m for _, m in self.points]

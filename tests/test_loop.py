@@ -243,8 +243,92 @@ def test_nested_block_forms_walk_each_ladder_once():
                     with attempt:
                         inner_calls.append(attempt.batch_size)
                         raise MemoryError("out of memory")
-    # a block-form loop is its own owner: a new one starts afresh inside each outer attempt
-    assert inner_calls[:4] == [8, 4, 2, 1]
+    # the guard is the line that makes the loop: it walks its sizes once, then one attempt
+    # at the size it gave up at per outer size (4, 2, 1)
+    assert inner_calls == [8, 4, 2, 1] + [1] * 3
+
+
+def test_a_block_form_inside_a_function_guard_follows_the_rule_of_two_function_guards():
+    def never_fits():
+        raise MemoryError("out of memory")
+
+    block_calls, function_calls = [], []
+
+    @memguard.oom_retry(batch_size=8)
+    def outer_block(batch_size):
+        for attempt in memguard.attempts(batch_size=16):
+            with attempt:
+                block_calls.append(attempt.batch_size)
+                never_fits()
+
+    @memguard.oom_retry(batch_size=16)
+    def inner(batch_size):
+        function_calls.append(batch_size)
+        never_fits()
+
+    @memguard.oom_retry(batch_size=8)
+    def outer_function(batch_size):
+        inner()
+
+    for outer in (outer_block, outer_function):
+        with pytest.raises(memguard.OutOfMemoryError):
+            outer()
+    assert block_calls == function_calls == [16, 8, 4, 2, 1] + [1] * 3  # 5 + 4 - 1, not 20
+
+
+def test_a_finished_attempt_entered_again_is_an_error_not_a_swallowed_oom():
+    loop = memguard.attempts(batch_size=8)
+    for attempt in loop:
+        with attempt:
+            pass
+    with pytest.raises(RuntimeError, match=r"attempt 1 of attempts at batch_size=8> has "
+                                           r"already run; each attempt runs once"):
+        with attempt:
+            raise MemoryError("out of memory")  # never reached, never swallowed
+    assert loop.batch_size == 8 and [a.size for a in loop.history] == [8]
+
+
+def test_a_generator_suspended_inside_an_attempt_does_not_nest_its_consumer():
+    def batches():
+        for attempt in memguard.attempts(batch_size=8):
+            with attempt:
+                yield attempt.batch_size
+
+    @memguard.oom_retry(batch_size=64)
+    def train(batch_size):
+        if batch_size > 32:
+            torch.empty(batch_size << 42)  # a real out-of-memory above 32
+        return batch_size
+
+    feed = batches()
+    assert next(feed) == 8  # suspended inside its `with attempt:`
+    assert not memguard.loop.running()
+    assert train() == 32 and train.batch_size == 32
+    assert [a.size for a in train.history] == [64, 32]
+    assert train() == 32  # the cache holds what fitted, not 1
+    with pytest.raises(StopIteration):
+        next(feed)  # the generator's own attempt ends as it would alone
+
+
+def test_a_recursive_function_reports_the_size_its_inner_call_really_ran_at():
+    calls = []
+
+    @memguard.oom_retry(batch_size=16)
+    def rec(batch_size, depth=1):
+        calls.append((depth, batch_size))
+        if depth:
+            return rec(batch_size=batch_size, depth=depth - 1)
+        if batch_size > 2:
+            torch.empty(batch_size << 42)
+        return batch_size
+
+    assert rec() == 2
+    assert calls == [(1, 16), (0, 16), (0, 8), (0, 4), (0, 2)]
+    assert rec.batch_size == 2
+    assert [(a.size, a.ok) for a in rec.history] == [(16, False), (8, False), (4, False),
+                                                      (2, True)]
+    calls.clear()
+    assert rec() == 2 and calls == [(1, 2), (0, 2)]  # the next call starts at what worked
 
 
 # -- records and messages -------------------------------------------------------------------

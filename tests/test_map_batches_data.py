@@ -217,3 +217,26 @@ def test_max_attempts_counts_the_attempts_at_one_batch():
     assert sum(out) == 16 and sizes[:4] == [8, 4, 4, 4] and sizes[4:6] == [2, 2]
     with pytest.raises(memguard.OutOfMemoryError):
         memguard.map_batches(fn, list(range(16)), batch_size=8, max_attempts=1)
+
+
+def test_an_empty_input_calls_fn_never_and_gives_what_a_plain_loop_gives():
+    calls = []
+
+    def fn(batch):
+        calls.append(batch)
+        return len(batch)
+
+    empties = [[], torch.empty(0, 3), (torch.empty(0), torch.empty(0, 2)),
+               {"x": torch.empty(0, 5)}, TensorDataset(torch.empty(0, 2))]
+    for data in empties:
+        # what a plain loop over the slices gives: no slice, no call
+        plain = [fn(data[i:i + 4]) for i in range(0, len(data), 4)] if isinstance(
+            data, (list, torch.Tensor)) else []
+        results = memguard.map_batches(fn, data, batch_size=4)
+        assert isinstance(results, BatchResults)
+        assert results == plain == [] and results.history == [], type(data)
+    assert memguard.map_batches(fn, [], batch_size=4, collate=list) == []
+    assert memguard.map_batches(fn, iter([]), collate=list) == []
+    assert calls == []
+    # an empty batch of an iterable is still a batch
+    assert memguard.map_batches(fn, iter([[]])) == [0] and len(calls) == 1

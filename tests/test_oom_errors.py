@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import time
 
 import pytest
@@ -226,3 +227,98 @@ def test_a_long_message_is_judged_in_linear_time(text):
     started = time.perf_counter()
     assert memguard.is_oom_error(RuntimeError(message))
     assert time.perf_counter() - started < 0.5  # about 5 ms; quadratic rules take seconds
+
+
+def _real_oom() -> RuntimeError:
+    """torch's real CPU out-of-memory (more bytes than the machine has)."""
+    try:
+        torch.empty(1 << 60, dtype=torch.uint8)
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("the allocation succeeded")
+
+
+# Python 3.11's groups (asyncio.TaskGroup raises them); the tests below need them.
+ExceptionGroup = getattr(builtins, "ExceptionGroup", None)
+BaseExceptionGroup = getattr(builtins, "BaseExceptionGroup", None)
+needs_groups = pytest.mark.skipif(ExceptionGroup is None, reason="exception groups: Python 3.11+")
+
+
+@needs_groups
+def test_an_exception_group_of_out_of_memory_errors_is_one_and_a_mixed_one_is_not():
+    oom = _real_oom()
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [oom, MemoryError()])
+    assert memguard.is_oom_error(group) and oom_kind(group) == "torch CPU allocator"
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [oom])])
+    assert memguard.is_oom_error(nested)
+    mixed = ExceptionGroup("unhandled errors in a TaskGroup", [oom, ValueError("a bug")])
+    assert not memguard.is_oom_error(mixed)
+    assert not memguard.is_oom_error(BaseExceptionGroup("stop", [oom, KeyboardInterrupt()]))
+    assert memguard.errors.requested_bytes(group) == 1 << 60
+
+
+@needs_groups
+def test_an_async_retry_recovers_an_out_of_memory_inside_a_task_group():
+    import asyncio
+
+    @memguard.oom_retry(batch_size=64)
+    async def step(batch_size):
+        async def child():
+            torch.empty(batch_size << 42 if batch_size > 8 else batch_size)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(child())
+            group.create_task(asyncio.sleep(0))
+        return batch_size
+
+    assert asyncio.run(step()) == 8
+    assert [a.size for a in step.history] == [64, 32, 16, 8]
+    assert "DefaultCPUAllocator" in step.history[0].error
+
+    @memguard.oom_retry(batch_size=64)
+    async def mixed(batch_size):
+        async def bug():
+            raise ValueError("a bug")
+
+        async def child():
+            torch.empty(batch_size << 42)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(child())
+            group.create_task(bug())
+
+    with pytest.raises(ExceptionGroup) as raised:
+        asyncio.run(mixed())
+    assert mixed.history == []  # not retried: the bug reaches the program at once
+    assert any(isinstance(e, ValueError) for e in raised.value.exceptions)
+
+
+class _Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("__str__ is broken")
+
+
+class _UnprintableMemory(MemoryError):
+    def __str__(self) -> str:
+        raise ValueError("__str__ is broken")
+
+
+def test_an_exception_that_cannot_be_printed_is_judged_by_its_type_and_never_masked():
+    assert memguard.is_oom_error(_Unprintable()) is False
+    assert memguard.is_oom_error(_UnprintableMemory()) is True
+
+    @memguard.oom_retry(batch_size=8)
+    def broken(batch_size):
+        raise _Unprintable()
+
+    with pytest.raises(_Unprintable):  # the program's own exception, not a ValueError
+        broken()
+
+    @memguard.oom_retry(batch_size=8)
+    def shrinks(batch_size):
+        if batch_size > 2:
+            raise _UnprintableMemory()
+        return batch_size
+
+    assert shrinks() == 2
+    assert [a.size for a in shrinks.history] == [8, 4, 2]

@@ -266,3 +266,28 @@ def test_two_scripts_main_train_keep_their_own_sizes(tmp_path):
         assert proc.returncode == 0, proc.stderr
         found.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert found == [40, 10]
+
+
+def test_reset_forgets_the_functions_sizes_in_the_file_and_keeps_the_others(tmp_path):
+    path = str(tmp_path / "sizes.json")
+    train, calls = _guarded(path, limit=20)
+    assert train() == 16 and calls == [64, 32, 16]
+    assert train(batch_size=40) == 20
+
+    @memguard.oom_retry(batch_size=64, cache=path)
+    def other(batch_size):
+        if batch_size > 8:
+            real_oom()
+        return batch_size
+
+    assert other() == 8
+    assert len(json.loads(open(path).read())["sizes"]) == 3
+    train.reset()
+    calls.clear()
+    assert train() == 16 and calls == [64, 32, 16]  # afresh, not from the file
+    # a later process (a new decoration of the same code) starts afresh too, after a reset
+    train.reset()
+    again, again_calls = _guarded(path, limit=20)
+    assert again() == 16 and again_calls == [64, 32, 16]
+    sizes = json.loads(open(path).read())["sizes"]
+    assert sorted(sizes.values()) == [8, 16], sizes  # other's size is still kept

@@ -74,6 +74,42 @@ def test_predict_finds_nine_tenths_of_binsearch_in_at_most_eight_trials(python_i
     assert predict["found"] in predict["calls"]
 
 
+FIXED_PART = """
+import torch, memguard
+torch.set_num_threads(1)
+MiB = 2**20 // 4  # float32 elements
+calls = []
+
+def step(batch_size):  # 100 MiB whatever the size (weights, gradients) + 1 MiB a sample
+    calls.append(batch_size)
+    fixed = torch.ones(100 * MiB)
+    per_sample = torch.ones(batch_size * MiB)
+
+step(1)
+memguard.free_memory()
+set_budget(400)
+"""
+
+
+@pytest.mark.slow
+def test_predict_sets_a_large_fixed_part_apart_and_does_not_crawl(python_in_subprocess):
+    out = python_in_subprocess(script(FIXED_PART, """
+        results = {}
+        for mode in ("binsearch", "predict"):
+            calls.clear()
+            memguard.free_memory()
+            found = memguard.find_batch_size(step, start=1, mode=mode, margin=0.0)
+            results[mode] = {"found": found, "calls": list(calls)}
+        print(json.dumps(results))
+    """), env=ENV, timeout=300)
+    binsearch, predict = out["binsearch"], out["predict"]
+    trials = sorted(set(predict["calls"]), key=predict["calls"].index)
+    assert binsearch["found"] > 200, binsearch  # ~300 MiB of the budget are per sample
+    assert predict["found"] >= 0.9 * binsearch["found"], out
+    assert len(trials) <= 10, predict
+    assert predict["found"] in predict["calls"]
+
+
 @pytest.mark.slow
 def test_predict_returns_a_size_that_was_seen_to_fit_and_respects_max_batch_size():
     sizes = []

@@ -63,3 +63,37 @@ def test_signed_format_marks_growth():
 def test_public_size_helpers_are_exported():
     assert memguard.parse_size("1KiB") == 1024
     assert memguard.format_bytes(1024) == "1.0 KiB"
+
+
+def test_numpy_numbers_are_sizes_counts_and_factors_as_python_numbers_are():
+    import numpy as np
+    import torch
+
+    assert parse_size(np.int64(4096)) == 4096 and type(parse_size(np.int64(1))) is int
+    assert parse_size(np.uint32(64)) == 64
+    for refused in (np.bool_(True), np.float64(64.0), True):
+        with pytest.raises(TypeError):
+            parse_size(refused)
+    calls = []
+
+    @memguard.oom_retry(batch_size=np.int64(64), factor=np.float32(0.5),
+                        min_batch_size=np.int32(2), max_attempts=np.int64(9))
+    def step(batch_size):
+        calls.append(batch_size)
+        torch.empty(batch_size << 42 if batch_size > 8 else 1)
+        return batch_size
+
+    assert step() == 8 and calls == [64, 32, 16, 8]
+    assert all(type(size) is int for size in calls)
+    found = memguard.find_batch_size(lambda b: None, start=np.int64(4),
+                                     max_batch_size=np.int64(16), margin=np.float64(0.0))
+    assert found == 16
+    assert memguard.map_batches(len, list(range(10)), batch_size=np.int16(4)) == [4, 4, 2]
+    with memguard.memory_limit(np.int64(2**40)):
+        pass
+    for bad in (np.float64("nan"), np.float32(1.5), np.bool_(True), float("inf")):
+        with pytest.raises(ValueError, match="factor must be a number"):
+            memguard.oom_retry(factor=bad)
+    for bad in (np.bool_(True), np.float64(4.0), np.int64(0)):
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            memguard.oom_retry(batch_size=bad)
