@@ -13,6 +13,7 @@ import sys
 import weakref
 from typing import Any, Iterable, Optional
 
+from .._locks import ForkSafeLock
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 
@@ -149,11 +150,18 @@ def is_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-InferenceState = tuple[Any, list[Any], list[bool], bool]
+InferenceState = tuple[Any, list[Any], bool]
 """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
-inference-mode guard entered, the modules switched off (each once), their ``training`` flags
-before, and whether the flags were written directly (else each model's own ``eval()`` ran,
-and the flags go back through ``__setattr__``)."""
+inference-mode guard entered, the modules switched off (each once), and whether the flags
+were written directly (else each model's own ``eval()`` ran, and the flags go back through
+``__setattr__``)."""
+
+_INSIDE: dict[int, list[Any]] = {}
+"""Per module in an inference block now (by ``id``: each is kept alive by the blocks' states):
+``[blocks inside, training flag before the first]``. Blocks on one model overlap (two threads
+serving one model): the first to enter saves the flag, the last to leave puts it back, so no
+block runs with the flag another restored and the model ends as it was before the first."""
+_INSIDE_LOCK = ForkSafeLock(reentrant=True)  # reentrant: a module's own eval() may enter one
 
 _CLASSES: list[Any] = []
 """``torch.nn.Module``, ``Module.train``, ``Module.__setattr__`` and the inference-mode guard
@@ -227,15 +235,26 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
         if cls.train is not train or cls.__setattr__ is not setattr_:
             direct = False
             break
-    flags = [module.training for module in modules]
-    if direct:
+    with _INSIDE_LOCK:
+        inside = _INSIDE
         for module in modules:
-            _write(module, "training", False)
-    else:
-        for model in models:
-            model.eval()
+            entry = inside.get(id(module))
+            if entry is None:
+                inside[id(module)] = [1, module.training]
+            else:
+                entry[0] += 1
+        try:
+            if direct:
+                for module in modules:
+                    _write(module, "training", False)
+            else:
+                for model in models:
+                    model.eval()
+        except BaseException:
+            _restore((None, modules, direct))
+            raise
     context = guard(True)
-    state = (context, modules, flags, direct)
+    state = (context, modules, direct)
     try:
         context.__enter__()
     except BaseException:
@@ -245,13 +264,21 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
 
 
 def _restore(state: InferenceState) -> None:
-    _, modules, flags, direct = state
-    if direct:
-        for module, training in zip(modules, flags, strict=True):
-            _write(module, "training", training)
-    else:
-        for module, training in zip(modules, flags, strict=True):
-            module.training = training
+    """Leave the block for each of its modules; the last block to leave one puts back its
+    flag as it was before the first entered."""
+    _, modules, direct = state
+    with _INSIDE_LOCK:
+        inside = _INSIDE
+        for module in modules:
+            entry = inside[id(module)]
+            entry[0] -= 1
+            if entry[0]:
+                continue
+            del inside[id(module)]
+            if direct:
+                _write(module, "training", entry[1])
+            else:
+                module.training = entry[1]
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
