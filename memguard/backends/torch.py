@@ -399,6 +399,7 @@ def _parts(tensor: Any) -> list[tuple[int, int]]:
     tensors of the strided layout (one buffer for every component). Empty for others."""
     torch = _torch()
     layout = tensor.layout
+    tensors: tuple[Any, ...]
     if layout is torch.sparse_coo:
         tensors = (tensor._values(), tensor._indices())  # noqa: SLF001 - uncoalesced too, no copy
     elif layout in (torch.sparse_csr, torch.sparse_bsr):
