@@ -246,6 +246,11 @@ class InferenceMode:
             if exc_type is None:
                 raise
 
+    def __repr__(self) -> str:
+        models = ", ".join(type(model).__name__ for model in self.models) or "no model"
+        state = ", active" if self._active else ""
+        return f"<InferenceMode of {models}, cleanup={self.cleanup!r}{state}>"
+
     def __call__(self, func: F) -> F:
         return guard(func, lambda: InferenceMode(*self.models, cleanup=self.cleanup),
                      "inference_mode", kinds=("sync",))
