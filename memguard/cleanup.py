@@ -239,13 +239,24 @@ class Settler:
         :func:`read_all`)."""
         now = read_all(pairs, kind)
         if self.cleanup == "always":
-            collect_all()
-            empty_caches(b for b, _ in pairs)
+            with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
+                collect_all()
+                empty_caches(b for b, _ in pairs)
             after = read_all(pairs, kind)
             return Outcome(released(now, after), True, after)
-        start, collected = now, False
         held = self._held(pairs, now, entry)
-        if held and self._gc_ready():
+        collect = bool(held) and self._gc_ready()
+        if not collect and not self._swollen(pairs, now, entry):
+            self._cache_last = False
+            return Outcome(0, False, now)
+        with interrupts_after():  # only where it acts: holding Ctrl-C costs ~10 us
+            return self._act(pairs, entry, kind, now, held if collect else [])
+
+    def _act(self, pairs: Pairs, entry: Readings, kind: str, now: Readings,
+             held: list[str]) -> Outcome:
+        """The ``"auto"`` cleanup once a collection is due (``held``) or a cache swollen."""
+        start, collected = now, False
+        if held:
             now = self._collect(pairs, held, entry, kind)
             collected = True
         swollen = self._swollen(pairs, now, entry)

@@ -182,6 +182,10 @@ class MemoryLimit:
         log.debug("memory limited to %s on %s", format_bytes(self.limit), self.device)
         return self
 
+    def __repr__(self) -> str:
+        state = "active" if self._restore is not None else "not active"
+        return f"<MemoryLimit {format_bytes(self.limit)} on {self.device}, {state}>"
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         restore, self._restore = self._restore, None
         if restore is None:

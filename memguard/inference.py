@@ -14,7 +14,16 @@ from . import cleanup as cleanup_state
 from ._decorate import guard
 from .backends import is_keras_model, resolve_devices
 from .backends.torch import InferenceState, enter_inference, exit_inference, first_non_module
-from .cleanup import Backoff, Cleanup, Pairs, Settler, cleanup_mode, collect_all, empty_caches
+from .cleanup import (
+    Backoff,
+    Cleanup,
+    Pairs,
+    Settler,
+    cleanup_mode,
+    collect_all,
+    empty_caches,
+    interrupts_after,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
@@ -149,12 +158,13 @@ class _Watch:
         def still(now: Levels) -> Pairs:
             return [(b, d) for b, d in held if _above(now[d], reference[d]) > b.hold_tolerance]
 
-        gc.collect(1)
-        now = _levels(pairs, reference)
-        if still(now):
-            collect_all()
+        with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
+            gc.collect(1)
             now = _levels(pairs, reference)
-        empty_caches(backend for backend, _ in held)
+            if still(now):
+                collect_all()
+                now = _levels(pairs, reference)
+            empty_caches(backend for backend, _ in held)
         (self.backoff.useless if still(now) else self.backoff.useful)()
         log.debug("inference_mode collected garbage; memory was held on %s",
                   ", ".join(device for _, device in held))
@@ -235,6 +245,11 @@ class InferenceMode:
         except Exception:
             if exc_type is None:
                 raise
+
+    def __repr__(self) -> str:
+        models = ", ".join(type(model).__name__ for model in self.models) or "no model"
+        state = ", active" if self._active else ""
+        return f"<InferenceMode of {models}, cleanup={self.cleanup!r}{state}>"
 
     def __call__(self, func: F) -> F:
         return guard(func, lambda: InferenceMode(*self.models, cleanup=self.cleanup),

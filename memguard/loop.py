@@ -689,6 +689,12 @@ class Attempts(Loop):
         """The size that succeeded, once one has."""
         return self.size if self.done else None
 
+    def __repr__(self) -> str:
+        count = len(self.attempts)
+        state = "done" if self.done else "not done"
+        return (f"<Attempts {self.who!r}: batch_size={self.size}, {count} "
+                f"attempt{'' if count == 1 else 's'}, {state}>")
+
 
 def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
              max_attempts: Optional[int] = None,

@@ -35,7 +35,9 @@ class MemoryMonitor:
     microseconds a device); ``peak`` maps each device to the highest level seen (the resident
     set on the host, ``allocated`` on devices); ``mark(label)`` adds a labelled moment, and
     scopes and ``oom_retry`` attempts inside a running monitor add their own. The thread
-    stops within one interval of ``stop()``, also when the body raised. While a soft
+    stops within one interval of ``stop()``, also when the body raised. A monitor started
+    again continues its timeline: times still count from the first start (the gap between
+    runs has no samples), and samples, marks and ``peak`` are kept. While a soft
     ``RLIMIT_AS`` is in force (:func:`memguard.memory_limit` on the host), each sample also
     holds the process's virtual size and that limit (:meth:`address_space`): the limit
     counts address space, which the resident set does not show.
@@ -106,7 +108,8 @@ class MemoryMonitor:
         self._host = any(device == HOST for _, device in self._pairs)
         self.failed_readings, self._readings = {}, 0
         self._stop.clear()
-        self.started = time.time()
+        if self.started is None:  # a restart continues the timeline: times stay monotonic
+            self.started = time.time()
         self._sample()
         self._thread = threading.Thread(target=self._run, name="memguard-monitor", daemon=True)
         self._thread.start()
@@ -128,6 +131,12 @@ class MemoryMonitor:
 
     def __enter__(self) -> "MemoryMonitor":
         return self.start()
+
+    def __repr__(self) -> str:
+        devices = self.devices if self.devices is not None else "every device"
+        state = "running" if self._thread is not None else "stopped"
+        return (f"<MemoryMonitor every {self.interval:g} s on {devices}, {state}, "
+                f"{len(self.samples)} samples, {len(self.marks)} marks>")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.stop()

@@ -19,7 +19,9 @@ A failure is one line per device over its limit, with what keeps the memory in t
 limits.
 
 Each test is judged on its own memory. Retention is judged on what the allocators hand out
-(glibc's in-use bytes on the host, ``allocated`` on GPUs), as in :func:`memguard.memory_scope`.
+(glibc's in-use bytes on the host, ``allocated`` on GPUs) and, for a growth under 64 KiB
+(what those figures move by when nothing is kept), on the tensors the test created and left
+alive: the verdict of :func:`memguard.memory_scope` with the same ``max_leak``, taken by one.
 Before a guarded test's scope opens, what earlier tests left to be freed (the traceback of a
 failed or skipped test, ``sys.last_value``, garbage in reference cycles) is freed, so that it
 cannot cancel a leak out. State that only a process's first training step creates is never
@@ -45,6 +47,7 @@ import pytest
 from ._units import format_bytes, parse_optional_size, parse_size
 from .backends import check_devices, level_field, resolve_devices
 from .cleanup import Readings, read_all
+from .errors import MemoryLeakError
 from .scope import MemoryScope
 from .tensors import describe_leaks
 
@@ -224,8 +227,11 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
     _warm_up()
     # The verdict rests on a scope of its own that closes after the body returned, whenever
     # the test closes the fixture's scope: what the test's locals held is gone by then.
+    # It judges as memory_scope(max_leak=...) does, on the same path: below the allocators'
+    # resolution the census of the tensors the test created decides.
     judge = (None if limits is None else
-             MemoryScope(item.name, devices=limits.devices, track_tensors=True))
+             MemoryScope(item.name, devices=limits.devices, max_leak=limits.max_leak,
+                         track_tensors=True))
     scopes = [scope for scope in (judge, fixture) if scope is not None]
     imported = {name for name in FRAMEWORKS if name in sys.modules}
     sections = item.stash[_SECTIONS] = []
@@ -238,18 +244,25 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[Any]:
             scope.close(cleanup="never", judge=False)  # what a cleanup would have to free
         session.done()
         raise
+    first = sorted(name for name in FRAMEWORKS if name in sys.modules and name not in imported)
+    over: dict[str, int] = {}
     for scope in reversed(scopes):
-        scope.close()
+        if scope is not judge:
+            scope.close()
+            continue
+        try:
+            scope.close(judge=not first)  # a first import and first step are no leak of it
+        except MemoryLeakError as leak:
+            over = leak.retained
     session.done()
     if judge is None or limits is None:
         return result
-    first = sorted(name for name in FRAMEWORKS if name in sys.modules and name not in imported)
-    if first:  # its import and first step are no leak of the test
+    if first:
         sections.append(
             f"{item.name} imported {' and '.join(first)} for the first time in this process: "
             f"not judged for leaks (import it at the top of the test module to judge it)")
         limits = limits._replace(max_leak=None)
-    verdict, details = _failure(item, judge, limits)
+    verdict, details = _failure(item, judge, limits, over)
     if verdict:
         sections.append(details)
         pytest.fail(verdict, pytrace=False)
@@ -325,11 +338,12 @@ class _Session:
                 f"{'their' if count > 1 else 'its'} memory limits: {', '.join(self.exceeded)}")
 
 
-def _failure(item: pytest.Item, scope: MemoryScope, limits: Limits) -> tuple[str, str]:
+def _failure(item: pytest.Item, scope: MemoryScope, limits: Limits, over: dict[str, int]
+             ) -> tuple[str, str]:
     """The short failure text, a line per offending device (``""`` when within limits), and
     the report section's text: per device what was retained and how high it rose, then what
     keeps the leaked tensors, in :func:`memguard.memory_scope`'s words (three groups at
-    most)."""
+    most). ``over`` is the scope's own ``max_leak`` verdict: the devices it found over."""
     max_leak, max_peak = limits.max_leak, limits.max_peak
     lines, measured = [], []
     leaked = False
@@ -340,7 +354,7 @@ def _failure(item: pytest.Item, scope: MemoryScope, limits: Limits) -> tuple[str
         rise = None if peak is None or start is None else peak - start
         measured.append(f"{device}: retained {format_bytes(retained)}, peak "
                         f"{format_bytes(peak)} ({format_bytes(rise)} above its start)")
-        if max_leak is not None and retained > max_leak:
+        if max_leak is not None and device in over:
             leaked = True
             lines.append(f"memguard: {item.name} retained {format_bytes(retained)} on {device} "
                          f"(max_leak {format_bytes(max_leak)})")

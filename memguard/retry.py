@@ -355,8 +355,9 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
             schedulers, a ``GradScaler``), Keras models (with their compiled optimizer's
             variables) and Keras optimizers, whose state, with a module's gradients, is
             copied when the call begins and loaded back before each retry, so every attempt
-            starts from the state the first one did. Restoring that runs out of memory
-            raises :class:`OutOfMemoryError` saying what it needed.
+            starts from the state the first one did. Copying or restoring that runs out of
+            memory raises :class:`OutOfMemoryError` saying what it needed (chained to the
+            framework's error; a copy to host memory suggests ``restore_to="file"``).
         restore_to: where that copy is kept: ``"memory"`` (host memory, as fast as a tensor
             copy; the state's size held for the whole call), ``"file"`` (a temporary file in
             ``TMPDIR``, written one tensor at a time and read straight back into place: no

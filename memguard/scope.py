@@ -20,7 +20,7 @@ from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
-from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, read_all, settler_for
+from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
 from .errors import MemoryLeakError
 from .snapshot import MemorySnapshot, snapshot
 from .tensors import TensorInfo, created_since, describe_leaks, live_tensors, tensor_ids
@@ -269,7 +269,8 @@ class MemoryScope:
                 and any(n > self.max_leak for n in self.retained.values())):
             # A verdict never rests on a collection the policy found unneeded (growth under
             # its tolerance, a young-generation pass): collect in full before blaming the block.
-            gc.collect()
+            with interrupts_after():
+                gc.collect()
             self.after = snapshot([d for _, d in self._pairs])
             self._measure(entry)
         if self.track_tensors:
@@ -564,7 +565,8 @@ class _Call:
         if over and limit is not None:
             # The verdict never rests on a cleanup the policy skipped or cut short (a backed-off
             # or young-generation collection): before blaming the call, collect in full.
-            gc.collect()
+            with interrupts_after():
+                gc.collect()
             with shared.lock:
                 shared.baseline = after = read_all(self.pairs)
             over = self._over(after, limit)

@@ -6,7 +6,8 @@ restarts (``oom_retry(cache=path)``, ``find_batch_size(cache=path)``).
   total memory), so different code never shares a size.
 - :class:`SizeFile`: the file, written atomically (a temporary file renamed over it) under an
   advisory lock, so ranks and processes sharing it merge their entries; a file that is not
-  memguard's is never written, and no file ever breaks a call (a warning says why).
+  memguard's is never written, and no file ever breaks a call (a warning says why). The lock
+  is taken on the file's folder: nothing is left beside the file.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ class SizeFile:
         real = os.path.realpath(self.path)  # a link is written through, and kept
         folder = os.path.dirname(real)
         try:
-            with _FileLock(real + ".lock"):
+            with _FileLock(folder):
                 sizes, problem = self._inspect()  # again: another process may have written
                 if sizes is None or problem is not None:
                     self._warn(problem or self._foreign("changed while being written"))
@@ -407,7 +408,10 @@ def _sync_folder(folder: str) -> None:
 
 
 class _FileLock:
-    """An exclusive ``flock`` on ``path`` (created if missing); nothing where ``fcntl`` is
+    """An exclusive ``flock`` on the folder ``path`` (a size file's own folder): no lock file
+    is left beside the size file, and since the file is replaced by a rename, its folder is
+    the one thing every writer can lock (a lock file removed after use would let a third
+    writer lock a new one while a second still holds the old). Nothing where ``fcntl`` is
     missing (the rename alone keeps the file whole there)."""
 
     def __init__(self, path: str) -> None:
@@ -419,7 +423,7 @@ class _FileLock:
             import fcntl
         except ImportError:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         locked = False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -334,3 +334,46 @@ def test_on_a_fragmented_heap_the_auto_check_reads_the_resident_set_and_verdicts
     assert out["leaky_walks"] > 0, out  # a verdict: what malloc hands out
     assert out["kept"] < 30 * MiB, out
     assert out["verdict"] and "above max_leak=16.0 MiB" in out["verdict"], out
+
+
+# -- Ctrl-C during the cleanup ---------------------------------------------------------------
+
+class InterruptsWhenFreed:
+    """8 MiB in a reference cycle whose finaliser delivers a real SIGINT (Ctrl-C while the
+    cleanup's collection runs finalisers)."""
+
+    def __init__(self) -> None:
+        self.data = torch.ones(8 * MiB // 4)
+        self.me = self
+
+    def __del__(self) -> None:
+        import signal
+
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("guard", ["memory_scope", "frees_memory"])
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_ctrl_c_while_the_cleanup_runs_finalisers_is_raised_after_it(guard, policy):
+    """A KeyboardInterrupt raised inside a finaliser would be printed ("Exception ignored
+    in ...") and lost: held while the cleanup runs, it is raised once the cleanup is over,
+    as by free_memory(), with the memory freed and Python's handler back."""
+    import signal
+    import weakref
+
+    kept: list = []
+
+    def body() -> None:
+        kept.append(weakref.ref(InterruptsWhenFreed().data))
+
+    if guard == "memory_scope":
+        def run() -> None:
+            with memguard.memory_scope(cleanup=policy):
+                body()
+    else:
+        run = memguard.frees_memory(cleanup=policy)(body)
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert kept[0]() is None  # the cleanup completed: the cycle was freed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -332,3 +332,50 @@ def test_blocks_in_several_threads_share_the_checks_without_waiting():
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
     assert errors == [] and all(m.training for m in models)
+
+
+def test_overlapping_blocks_on_one_model_from_two_threads_keep_it_in_eval_until_the_last_leaves():
+    """Two threads serve one model with overlapping blocks: the first to leave does not put
+    the model back in training (dropout on) under the second, and the last to leave restores
+    the model as it was before the first entered."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    x = torch.ones(4, 8)
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def first() -> None:
+        with memguard.inference_mode(model, cleanup="never"):
+            first_in.set()
+            assert second_in.wait(30)
+        first_out.set()
+
+    def second() -> None:
+        assert first_in.wait(30)
+        with memguard.inference_mode(model, cleanup="never"):
+            second_in.set()
+            assert first_out.wait(30)
+            seen["flags"] = flags(model)
+            seen["same"] = torch.equal(model(x), model(x))  # dropout off: deterministic
+        seen["after"] = flags(model)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert seen["flags"] == [False, False, False] and seen["same"]
+    assert seen["after"] == [True, True, True] and all(flags(model))
+
+    # a model in eval before the first block stays in eval after the last
+    model.eval()
+    first_in.clear(), second_in.clear(), first_out.clear()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(flags(model))

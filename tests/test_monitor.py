@@ -254,3 +254,60 @@ def test_tensorboard_through_tf_summary(python_in_subprocess, tmp_path):
     """)
     assert out["written"] == 2 * out["samples"]
     assert any(name.startswith("events.out.tfevents") for name in out["files"])
+
+
+def test_a_restarted_monitor_continues_its_timeline_with_times_that_only_grow():
+    """Before: a second start moved the time origin, so the first run's samples read as
+    negative times."""
+    mon = memguard.MemoryMonitor(interval=0.005, devices="host")
+    for _ in range(2):
+        with mon:
+            mon.mark("run")
+            time.sleep(0.03)
+    times = [t for t, _ in mon.series()["host"]["reserved"]]
+    assert len(times) >= 4 and times[0] >= 0
+    assert times == sorted(times)
+    assert len(mon.marks) == 2 and all(t >= mon.started for t, _ in mon.marks)
+
+
+def test_guards_have_readable_reprs():
+    model = torch.nn.Linear(2, 2)
+    assert repr(memguard.inference_mode(model)) == "<InferenceMode of Linear, cleanup='auto'>"
+    limit = memguard.memory_limit("256MiB", "host")
+    assert repr(limit) == "<MemoryLimit 256.0 MiB on host, not active>"
+    mon = memguard.MemoryMonitor(interval=0.5, devices="host")
+    assert repr(mon) == "<MemoryMonitor every 0.5 s on host, stopped, 0 samples, 0 marks>"
+    loop = memguard.attempts(batch_size=8)
+    assert repr(loop) == "<Attempts 'attempts': batch_size=8, 0 attempts, not done>"
+    for attempt in loop:
+        with attempt:
+            pass
+    assert repr(loop) == "<Attempts 'attempts': batch_size=8, 1 attempt, done>"
+
+
+def test_a_limit_the_process_had_before_is_not_labelled_memory_limit(python_in_subprocess):
+    """A ``ulimit -v`` in force before memory_limit opened a wider one stays the process's own
+    limit (RLIMIT_AS) in the budget and the monitor, not "memory_limit"."""
+    out = python_in_subprocess("""
+        import json, resource, time
+        import memguard
+        from memguard.backends import budget
+
+        def vm():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+
+        resource.setrlimit(resource.RLIMIT_AS, (vm() + 500 * 2**20, resource.RLIM_INFINITY))
+        kinds = {"before": budget.budget("host").kind}
+        with memguard.MemoryMonitor(interval=0.01, devices="host") as mon:
+            with memguard.memory_limit("4GiB", "host"):  # wider: the 500 MiB stays in force
+                kinds["wider"] = budget.budget("host").kind
+                time.sleep(0.03)
+            with memguard.memory_limit("100MiB", "host"):  # tighter: memguard's own
+                kinds["tighter"] = budget.budget("host").kind
+                time.sleep(0.03)
+        kinds["monitor"] = sorted({kind for *_, kind in mon.address_space()})
+        print(json.dumps(kinds))
+    """)
+    assert out == {"before": "RLIMIT_AS", "wider": "RLIMIT_AS", "tighter": "memory_limit",
+                   "monitor": ["RLIMIT_AS", "memory_limit"]}, out

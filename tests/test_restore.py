@@ -75,7 +75,8 @@ try:
            "restored": all(torch.equal(p, f + 1.0)
                            for p, f in zip(model.parameters(), first, strict=True))}
 except Exception as exc:
-    out = {"error": type(exc).__name__, "message": str(exc)[:300]}
+    out = {"error": type(exc).__name__, "message": str(exc)[:400], "calls": calls,
+           "cause": type(exc.__cause__).__name__, "oom": memguard.is_oom_error(exc)}
 print(json.dumps(out))
 """
 
@@ -83,7 +84,13 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_restore_to_file_holds_no_copy_in_host_memory(python_in_subprocess):
     in_memory = python_in_subprocess(script(FILE_BUDGET.replace("TO", "'memory'")), env=ENV)
-    assert "error" in in_memory, in_memory  # control: a copy in memory does not fit
+    # a copy in memory does not fit: memguard's error, naming the size and the way out, chained
+    # to torch's, before any attempt ran
+    assert in_memory["error"] == "OutOfMemoryError" and in_memory["oom"], in_memory
+    assert in_memory["cause"] == "RuntimeError" and in_memory["calls"] == [], in_memory
+    copying = "copying the state of Sequential (64.1 MiB of tensors) to host memory"
+    assert copying in in_memory["message"], in_memory
+    assert "restore_to='file'" in in_memory["message"], in_memory
     in_file = python_in_subprocess(script(FILE_BUDGET.replace("TO", "'file'")), env=ENV)
     assert in_file == {"size": 2, "calls": [8, 4, 2], "restored": True}, in_file
 

@@ -279,3 +279,13 @@ def test_devices_argument_limits_what_is_watched():
         == ["cuda:0"]
     if not started:  # on a GPU machine: watching a device never starts CUDA
         assert torch.cuda.is_initialized() is False
+
+
+def test_a_bare_gpu_is_refused_when_the_scope_is_created_not_when_entered():
+    """``"gpu"`` names no device any backend reads (TensorFlow's are ``GPU:0``...; a torch
+    GPU is ``cuda``): refused at creation, with the names to use."""
+    with pytest.raises(ValueError, match=r"unknown device 'gpu'.*\(a torch GPU is 'cuda'\)"):
+        memguard.memory_scope(devices="gpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu:x'"):
+        memguard.memory_scope(devices=["host", "gpu:x"])
+    assert memguard.memory_scope(devices="GPU:1").devices == ("GPU:1",)

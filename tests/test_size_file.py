@@ -291,3 +291,32 @@ def test_reset_forgets_the_functions_sizes_in_the_file_and_keeps_the_others(tmp_
     assert again() == 16 and again_calls == [64, 32, 16]
     sizes = json.loads(open(path).read())["sizes"]
     assert sorted(sizes.values()) == [8, 16], sizes  # other's size is still kept
+
+
+def test_concurrent_writers_keep_every_entry_and_leave_nothing_beside_the_file(tmp_path):
+    """Four processes writing 15 entries each at once: the lock keeps every entry (a
+    read-merge-replace without it loses some), and no lock file is left beside the size file."""
+    import multiprocessing
+
+    path = tmp_path / "sizes.json"
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+
+    def write(worker: int) -> None:
+        start.wait(30)
+        sizes = SizeFile(str(path))
+        for i in range(15):
+            sizes.put(f"worker {worker} key {i}", 1 + i)
+
+    workers = [context.Process(target=write, args=(w,)) for w in range(4)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    for worker in workers:
+        worker.join(60)
+    assert [w.exitcode for w in workers] == [0, 0, 0, 0]
+    sizes = SizeFile(str(path))
+    missing = [(w, i) for w in range(4) for i in range(15)
+               if sizes.get(f"worker {w} key {i}") != 1 + i]
+    assert not missing
+    assert os.listdir(tmp_path) == ["sizes.json"]

@@ -275,3 +275,35 @@ def test_tensorflow_tensors_and_variables_are_counted(python_in_subprocess):
     assert out["v"] == ["tensorflow", 800]
     assert out["t"] == ["torch", 840]  # one census over both frameworks
     assert out["variables"] == 800 and out["alias_seen"]  # the alias is listed, counted once
+
+
+def test_sparse_and_nested_tensors_are_counted_by_their_parts():
+    """Sparse (COO: indices and values; CSR: compressed and plain indices and values) and
+    nested tensors refuse a plain read of their storage or shape: the census counts their
+    parts, so that a scope that keeps them finds them."""
+    n = 1 << 17
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR and nested tensors are "beta"
+        coo = torch.sparse_coo_tensor(torch.stack([torch.arange(n), torch.arange(n)]),
+                                      torch.ones(n), (n, n))
+        csr = torch.sparse_csr_tensor(torch.arange(n + 1), torch.arange(n), torch.ones(n),
+                                      (n, n))
+        nested = torch.nested.nested_tensor([torch.ones(n), torch.ones(2 * n)])
+    by_id = {info.id: info for info in memguard.live_tensors()}
+    assert by_id[id(coo)].nbytes == 2 * n * 8 + n * 4
+    assert by_id[id(coo)].shape == (n, n) and by_id[id(coo)].dtype == "float32"
+    assert by_id[id(csr)].nbytes == (n + 1) * 8 + n * 8 + n * 4
+    assert by_id[id(nested)].nbytes == 3 * n * 4 and by_id[id(nested)].shape == (2,)
+
+    def keep() -> None:
+        with memguard.memory_scope(max_leak=0, track_tensors=True):
+            CACHE.extend([coo.coalesce(), csr.clone(), nested.clone()])
+
+    with pytest.raises(memguard.MemoryLeakError) as info:
+        keep()
+    try:
+        leaked = {leak.nbytes for leak in info.value.leaks}  # type: ignore[attr-defined]
+        assert leaked == {2 * n * 8 + n * 4, (n + 1) * 8 + n * 8 + n * 4, 3 * n * 4}, leaked
+        assert f"held by module {__name__}, global CACHE[0]" in str(info.value)
+    finally:
+        CACHE.clear()

@@ -104,7 +104,8 @@ def check_device(device: object, name: str = "device") -> str:
         raise TypeError(f"{name} must be a string such as 'host' or 'cuda:0', got "
                         f"{device!r} of type {type(device).__name__}")
     if not _NAME_RE.fullmatch(device) or _owner(device, imported_only=False) is None:
-        raise ValueError(f"{name}: unknown device {device!r}; use {EXAMPLES}")
+        hint = " (a torch GPU is 'cuda')" if device.lower() == "gpu" else ""
+        raise ValueError(f"{name}: unknown device {device!r}; use {EXAMPLES}{hint}")
     return device
 
 

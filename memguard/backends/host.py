@@ -349,7 +349,7 @@ def address_space_budget() -> Optional[tuple[str, int, int]]:
         vm = _vm_size()
     except (ImportError, OSError, ValueError):
         return None
-    base = next((base for limit, base in list(_OPEN_LIMITS.values()) if limit == soft), None)
+    base = _opened_base(soft)
     if base is not None:
         return "memory_limit", soft - base, max(0, vm - base)  # unmapped since: none used
     return "RLIMIT_AS", soft, vm
@@ -368,13 +368,27 @@ def address_space() -> Optional[tuple[int, int, str]]:
 
         with _LIMITS_LOCK:  # the limit and who set it, read in step with memory_limit
             soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-            ours = any(limit == soft for limit, _ in _OPEN_LIMITS.values())
+            ours = _opened_base(soft) is not None
         if soft == resource.RLIM_INFINITY:
             return None
         vm = _vm_size()
     except (ImportError, OSError, ValueError):
         return None
     return vm, soft, "memory_limit" if ours else "RLIMIT_AS"
+
+
+def _opened_base(soft: int) -> Optional[int]:
+    """The virtual size at which :func:`memguard.memory_limit` opened the limit ``soft``
+    in force; ``None`` when the limit is not one it set: none is open, or the one open was
+    capped by the limit the process had before (``ulimit -v``), which stays the process's own.
+    """
+    import resource
+
+    original = _ORIGINAL[0][0] if _ORIGINAL else resource.RLIM_INFINITY
+    for limit, base in list(_OPEN_LIMITS.values()):
+        if limit == soft and (original == resource.RLIM_INFINITY or limit < original):
+            return base
+    return None
 
 
 _CGROUP_ROOT = "/sys/fs/cgroup"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import weakref
 from typing import Any, Optional
@@ -42,6 +43,9 @@ def _runtime_started() -> bool:
         return False
 
 
+_GPU_NAME = re.compile(r"(?i:gpu):\d+")
+
+
 class TensorFlowBackend(Backend):
     """Memory of TensorFlow's GPUs (``GPU:0``, ...)."""
 
@@ -53,7 +57,9 @@ class TensorFlowBackend(Backend):
         return [d.name.replace("/device:", "") for d in _tf().config.list_logical_devices("GPU")]
 
     def owns(self, device: str) -> bool:
-        return device.upper().startswith("GPU")
+        # with its index, as TensorFlow lists it: a bare "gpu" is more likely a torch
+        # program's "cuda", refused when the guard is created rather than when entered
+        return _GPU_NAME.fullmatch(device) is not None
 
     def read_fast(self, device: str) -> Reading:  # pragma: gpu
         info = self._info(device)

@@ -13,6 +13,7 @@ import sys
 import weakref
 from typing import Any, Iterable, Optional
 
+from .._locks import ForkSafeLock
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 
@@ -149,11 +150,18 @@ def is_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-InferenceState = tuple[Any, list[Any], list[bool], bool]
+InferenceState = tuple[Any, list[Any], bool]
 """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
-inference-mode guard entered, the modules switched off (each once), their ``training`` flags
-before, and whether the flags were written directly (else each model's own ``eval()`` ran,
-and the flags go back through ``__setattr__``)."""
+inference-mode guard entered, the modules switched off (each once), and whether the flags
+were written directly (else each model's own ``eval()`` ran, and the flags go back through
+``__setattr__``)."""
+
+_INSIDE: dict[int, list[Any]] = {}
+"""Per module in an inference block now (by ``id``: each is kept alive by the blocks' states):
+``[blocks inside, training flag before the first]``. Blocks on one model overlap (two threads
+serving one model): the first to enter saves the flag, the last to leave puts it back, so no
+block runs with the flag another restored and the model ends as it was before the first."""
+_INSIDE_LOCK = ForkSafeLock(reentrant=True)  # reentrant: a module's own eval() may enter one
 
 _CLASSES: list[Any] = []
 """``torch.nn.Module``, ``Module.train``, ``Module.__setattr__`` and the inference-mode guard
@@ -227,15 +235,26 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
         if cls.train is not train or cls.__setattr__ is not setattr_:
             direct = False
             break
-    flags = [module.training for module in modules]
-    if direct:
+    with _INSIDE_LOCK:
+        inside = _INSIDE
         for module in modules:
-            _write(module, "training", False)
-    else:
-        for model in models:
-            model.eval()
+            entry = inside.get(id(module))
+            if entry is None:
+                inside[id(module)] = [1, module.training]
+            else:
+                entry[0] += 1
+        try:
+            if direct:
+                for module in modules:
+                    _write(module, "training", False)
+            else:
+                for model in models:
+                    model.eval()
+        except BaseException:
+            _restore((None, modules, direct))
+            raise
     context = guard(True)
-    state = (context, modules, flags, direct)
+    state = (context, modules, direct)
     try:
         context.__enter__()
     except BaseException:
@@ -245,13 +264,21 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
 
 
 def _restore(state: InferenceState) -> None:
-    _, modules, flags, direct = state
-    if direct:
-        for module, training in zip(modules, flags, strict=True):
-            _write(module, "training", training)
-    else:
-        for module, training in zip(modules, flags, strict=True):
-            module.training = training
+    """Leave the block for each of its modules; the last block to leave one puts back its
+    flag as it was before the first entered."""
+    _, modules, direct = state
+    with _INSIDE_LOCK:
+        inside = _INSIDE
+        for module in modules:
+            entry = inside[id(module)]
+            entry[0] -= 1
+            if entry[0]:
+                continue
+            del inside[id(module)]
+            if direct:
+                _write(module, "training", entry[1])
+            else:
+                module.training = entry[1]
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
@@ -322,13 +349,15 @@ def census_rows(tensors: list[Any], names: dict[int, str]
                 ) -> tuple[list[TensorRow], list[Any]]:
     """The census rows of ``tensors`` (those that own memory) and their storage keys.
 
-    ``nbytes`` of a row is its storage's bytes; ``names`` maps ids to parameter names. Tensors
-    that own no memory (meta, fake, empty, sparse and lazy ones) are left out, and so are those
-    of a program's subclass that fails when read (whatever it raises).
+    ``nbytes`` of a row is its storage's bytes (a sparse or nested tensor's: its parts', see
+    :func:`_parts`); ``names`` maps ids to parameter names. Tensors that own no memory
+    (meta, fake, empty and lazy ones) are left out, and so are those of a program's subclass
+    that fails when read (whatever it raises).
     """
     known = _names
     rows: list[TensorRow] = []
     keys: list[Any] = []
+    composites: list[tuple[int, list[tuple[Any, int]]]] = []  # sparse and nested: row, parts
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
     make = tuple.__new__  # TensorRow(...) without its argument handling: 0.2 us, not 0.5
     for tensor in tensors:
@@ -344,8 +373,66 @@ def census_rows(tensors: list[Any], names: dict[int, str]
                                      names.get(ident), ident, ref(tensor))))
             add_key((device, pointer))
         except Exception:  # noqa: BLE001 - a program's subclass may raise anything from a read
-            continue
+            try:  # sparse and nested tensors refuse a plain read: their memory is in parts
+                parts = _parts(tensor)
+            except Exception:  # noqa: BLE001
+                continue
+            if not parts:
+                continue
+            device, dtype = tensor.device, tensor.dtype
+            device = known.get(device) or dtype_name(device)
+            ident = id(tensor)
+            shape = (tensor.size(0),) if tensor.is_nested else tuple(tensor.shape)
+            composites.append((len(rows), [((device, p), n) for p, n in parts]))
+            add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
+                                     shape, 0, False, names.get(ident), ident, ref(tensor))))
+            add_key(("parts of", ident))
+    if composites:
+        _count_parts(rows, keys, composites)
     return rows, keys
+
+
+def _parts(tensor: Any) -> list[tuple[int, int]]:
+    """``(storage pointer, bytes)`` of each part of a tensor whose memory lies in tensors of
+    its own (a plain read of its storage or shape raises): sparse COO (indices, values), the
+    compressed layouts (CSR, CSC, BSR, BSC: compressed and plain indices, values) and nested
+    tensors of the strided layout (one buffer for every component). Empty for others."""
+    torch = _torch()
+    layout = tensor.layout
+    tensors: tuple[Any, ...]
+    if layout is torch.sparse_coo:
+        tensors = (tensor._values(), tensor._indices())  # noqa: SLF001 - uncoalesced too, no copy
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        tensors = (tensor.values(), tensor.crow_indices(), tensor.col_indices())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        tensors = (tensor.values(), tensor.ccol_indices(), tensor.row_indices())
+    elif tensor.is_nested:
+        tensors = (tensor,)
+    else:
+        return []
+    storages = [part.untyped_storage() for part in tensors]
+    return [(s.data_ptr(), s.nbytes()) for s in storages if s.data_ptr()]
+
+
+def _count_parts(rows: list[TensorRow], keys: list[Any],
+                 composites: list[tuple[int, list[tuple[Any, int]]]]) -> None:
+    """Count each part's storage on the sparse or nested tensor that owns it (the first, where
+    two share one: a CSR tensor made from a COO one shares its column indices), and nothing on
+    the plain tensors over those parts (torch keeps a part's Python object alive once it was
+    read, ``values()`` or a view of it), so that a leak is named by the tensor the program
+    holds."""
+    owned: set[Any] = set()
+    for index, parts in composites:
+        total = 0
+        for key, nbytes in parts:
+            if key not in owned:
+                owned.add(key)
+                total += nbytes
+        rows[index] = rows[index]._replace(nbytes=total)
+    for index, key in enumerate(keys):
+        if key in owned:
+            rows[index] = rows[index]._replace(nbytes=0)
+            keys[index] = ("part", rows[index].id)
 
 
 def parameter_names(model: Any) -> dict[int, str]:

@@ -317,22 +317,44 @@ def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> Sa
     size += sum(keras_state.nbytes(o) for o in keras_objects)
     in_file = to == "file" or (to == "auto" and free_host is not None
                                and size > free_host // 2 and size > 0)
-    others = [keras_state.copy_state(o, in_file) for o in keras_objects]
-    if in_file and live:
-        file = _StateFile()
-        try:
-            states = [(_map(s, file.put), None if g is None else
-                       [None if t is None else file.put(t) for t in g]) for s, g in live]
-            file.file.flush()
-        except BaseException:
-            file.close()
+    try:
+        others = [keras_state.copy_state(o, in_file) for o in keras_objects]
+        if in_file and live:
+            file = _StateFile()
+            try:
+                states = [(_map(s, file.put), None if g is None else
+                           [None if t is None else file.put(t) for t in g]) for s, g in live]
+                file.file.flush()
+            except BaseException:
+                file.close()
+                raise
+            saved = SavedState(objects, states, file, others)
+        else:
+            saved = SavedState(objects, [(_to_host(s), _to_host(g)) for s, g in live], None,
+                               others)
+    except BaseException as exc:
+        if oom_kind(exc) is None:
             raise
-        saved = SavedState(objects, states, file, others)
-    else:
-        saved = SavedState(objects, [(_to_host(s), _to_host(g)) for s, g in live], None,
-                           others)
+        raise _copy_failed(objects, size, in_file) from exc
     saved.nbytes = size
     return saved
+
+
+def _copy_failed(objects: tuple[Any, ...], size: int, in_file: bool) -> OutOfMemoryError:
+    """The error for a copy of the state that ran out of memory before the first attempt."""
+    names = ", ".join(type(o).__name__ for o in objects)
+    if in_file:
+        hint = ("the tensors are written to a temporary file one at a time, so the memory "
+                "ran out beside them: free memory held outside the call, or restore less "
+                "(the model alone)")
+    else:
+        hint = ("pass restore_to='file' (the copy is written to a temporary file one tensor "
+                "at a time and read straight back into place), or free memory held outside "
+                "the call")
+    return OutOfMemoryError(
+        f"oom_retry: copying the state of {names} ({format_bytes(size)} of tensors) to "
+        f"{'a file' if in_file else 'host memory'} before the first attempt ran out of "
+        f"memory; no attempt ran. {hint[0].upper()}{hint[1:]}")
 
 
 def _live_grads(obj: Any) -> Optional[list[Any]]:
