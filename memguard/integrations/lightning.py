@@ -18,12 +18,14 @@ averages) writes exactly what backward of the unsplit loss would have.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+from ..loop import Attempt
 from ..microbatch import auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, missing
+from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:  # the standalone package first: it is what memguard[lightning] installs
     import pytorch_lightning as _pl
@@ -161,7 +163,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         self._tracker.start_run()
         self._tracker.batch_size = _batch_size(trainer, pl_module)
         if self.microbatch:
-            self._install(pl_module)
+            self._install(pl_module, trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()
@@ -206,7 +208,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             raise error
 
     # -- microbatch=True -----------------------------------------------------------------------
-    def _install(self, pl_module: Any) -> None:
+    def _install(self, pl_module: Any, trainer: Any = None) -> None:
         """Replace ``pl_module.training_step`` (an attribute of the instance, shadowing the
         class's method) for this fit."""
         self._uninstall()
@@ -219,6 +221,23 @@ class MemguardCallback(CallbackBase, _pl.Callback):
                 f"optimizer.step() after it")
         original = pl_module.training_step
         extras: dict[str, Any] = {}
+        logs = _HeldLogs(pl_module)
+        options = dict(self._options)
+        # 16-mixed: memguard's backward is scaled as Lightning scales its own
+        plugin = getattr(trainer, "precision_plugin", None)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            options["scaler"] = scaler
+        if options.get("reduction", "mean") == "mean" and options.get("weight") is None:
+            options["weight"] = _default_weight(pl_module)
+        user_retry = options.get("on_retry")
+
+        def on_retry(attempt: Attempt) -> None:
+            logs.drop()  # the failed pass leaves no trace in what is logged
+            if user_retry is not None:
+                user_retry(attempt)
+
+        options["on_retry"] = on_retry
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             output = original(batch, *args, **kwargs)
@@ -233,7 +252,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(pl_module).__name__}.training_step")
-        step = auto_microbatch(pl_module, **self._options)(training_step)
+        step = auto_microbatch(pl_module, **options)(training_step)
         callback = self
 
         def replaced(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -244,16 +263,22 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             for p in params:
                 p.grad = None
             try:
-                loss = step(batch, *args, **kwargs)
+                with logs.held():
+                    loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
             except _Skipped:  # the step returned None: Lightning skips the batch
+                logs.replay()
                 return None
             finally:
                 for p, grad in zip(params, entry, strict=True):
                     p.grad = grad
+            logs.replay()
             history = step.history
             callback._last_size = history[-1].size if history else None
-            carrier = _carrier(loss, params, grads)
+            # memguard's backward was scaled by the scaler's scale; Lightning's backward of
+            # the carrier scales it again
+            scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            carrier = _carrier(loss, params, grads, scale)
             if extras:
                 return dict(extras, loss=carrier)
             return carrier
@@ -277,11 +302,12 @@ class _Skipped(Exception):
 
 class _Carrier(torch.autograd.Function):
     """The whole batch's loss (its value) whose backward hands gradients computed already
-    to the parameters, scaled by the gradient that reaches it."""
+    (scaled by ``scale``, a GradScaler's) to the parameters, scaled by the gradient that
+    reaches it divided by ``scale``."""
 
     @staticmethod
-    def forward(ctx: Any, loss: Any, grads: list[Any], *params: Any) -> Any:
-        ctx.grads = grads
+    def forward(ctx: Any, loss: Any, grads: list[Any], scale: float, *params: Any) -> Any:
+        ctx.grads, ctx.scale = grads, scale
         return loss.clone()
 
     @staticmethod
@@ -291,17 +317,86 @@ class _Carrier(torch.autograd.Function):
             raise RuntimeError("the loss MemguardCallback(microbatch=True) returned from "
                                "training_step was backpropagated twice: its gradients are "
                                "handed to the parameters once")
+        if ctx.scale != 1.0:
+            grad = grad / ctx.scale
         if bool((grad == 1).all()):
-            return (None, None, *grads)
-        return (None, None, *(g * grad.to(g.dtype) for g in grads))
+            return (None, None, None, *grads)
+        return (None, None, None, *(g * grad.to(g.dtype) for g in grads))
 
 
-def _carrier(loss: Any, params: list[Any], grads: list[Any]) -> Any:
-    """``loss`` (detached), carrying ``grads`` into ``params`` at its backward."""
+def _carrier(loss: Any, params: list[Any], grads: list[Any], scale: float = 1.0) -> Any:
+    """``loss`` (detached), carrying ``grads`` (scaled by ``scale``) into ``params`` at its
+    backward."""
     used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     if not used:
         return loss
-    return _Carrier.apply(loss.detach(), [g for _, g in used], *(p for p, _ in used))
+    return _Carrier.apply(loss.detach(), [g for _, g in used], scale,
+                          *(p for p, _ in used))
+
+
+class _HeldLogs:
+    """The ``self.log`` calls of a step's passes, held back: those of a pass that ran out of
+    memory are dropped, those of the pass that succeeded are made once it ends, in order, so
+    that what is logged (epoch means, ``batch_size`` weights) is what the slices that count
+    logged. ``log_dict`` goes through ``log``."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("enable_graph", False):
+            value = _detached(value)
+        self.calls.append(((name, value, *args), kwargs))
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While the step's passes run, ``module.log`` records."""
+        self.calls.clear()
+        module = self.module
+        had = "log" in vars(module)
+        before = vars(module).get("log")
+        module.log = self.record
+        try:
+            yield
+        finally:
+            if had:
+                module.log = before
+            else:
+                del module.log
+
+    def drop(self) -> None:
+        """Forget the calls of a failed pass."""
+        self.calls.clear()
+
+    def replay(self) -> None:
+        """Make the recorded calls, through the module's own ``log``."""
+        calls, self.calls = self.calls, []
+        for args, kwargs in calls:
+            self.module.log(*args, **kwargs)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _default_weight(module: Any) -> Any:
+    """What ``weight`` is when none is given, as for the Hugging Face ``Trainer``: a mapping
+    batch's ``labels`` that are not -100 (shifted when the module holds a Hugging Face
+    causal language model), else samples; the choice is logged at the first split."""
+    shifts = any(causal_lm(m) for m in module.modules())
+    name = type(module).__name__
+
+    def told(what: str) -> None:
+        log.info("MemguardCallback: %s's split step weights each slice by its %s that are "
+                 "not -100 (a loss averaged over tokens); pass weight= or reduction= to "
+                 "change it", name, what)
+
+    return token_weight(shifts, told)
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from ..loop import Attempt
 from ..microbatch import auto_microbatch as _auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, missing
+from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:
     import transformers as _transformers
@@ -407,40 +407,16 @@ def _default_weight(trainer: Any) -> Callable[[Any], Any]:
     labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
     Trainer counts), or the samples of a batch without labels."""
     shifts = bool(getattr(trainer, "_loss_shifts_labels", False)) or _causal_loss(trainer)
-
-    def weight(batch: Any) -> Any:
-        if not hasattr(batch, "keys"):
-            return _length(batch)
-        if "shift_labels" in batch:
-            return (batch["shift_labels"] != -100).sum()
-        if "labels" in batch and hasattr(batch["labels"], "ne"):
-            labels = batch["labels"]
-            if shifts and labels.dim() > 1:
-                labels = labels[..., 1:]
-            return labels.ne(-100).sum()
-        return _length(batch)
-
-    return weight
+    return token_weight(shifts)
 
 
 def _causal_loss(trainer: Any) -> bool:
     """Whether the model's own loss is a causal LM's, which shifts the labels (the Trainer's
     ``_loss_shifts_labels`` looks at ``config.loss_type`` only, unset on many configs)."""
     try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        config = getattr(model, "config", None)
-        return (getattr(model, "loss_function", None) is ForCausalLMLoss
-                and not getattr(config, "is_encoder_decoder", False))
+        return causal_lm(trainer.accelerator.unwrap_model(trainer.model))
     except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
         return False
-
-
-def _length(batch: Any) -> int:
-    from .._slices import plan_batch
-
-    return int(plan_batch(batch).length or 0)
 
 
 def auto_microbatch(trainer: Any, **options: Any) -> Any:
