@@ -421,19 +421,24 @@ def test_a_step_that_returns_none_skips_the_batch_as_without_the_callback(limit)
 def _recording(pl, scale=1.0, log=False):
     """The test module whose loss is multiplied by ``scale`` and which records its unscaled
     gradients before each optimizer step; with ``log``, it logs its loss per epoch, weighted
-    by the samples it was given."""
+    by the samples it was given, and a torchmetrics sum of the samples it saw."""
     Net = module_class(pl)
 
     class Recording(Net):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.grads: list[list[torch.Tensor]] = []
+            if log:
+                torchmetrics = pytest.importorskip("torchmetrics")
+                self.samples = torchmetrics.SumMetric()
 
         def training_step(self, batch, index):
             loss = super().training_step(batch, index) * scale
             if log:
                 self.log("train_loss", loss, on_step=False, on_epoch=True,
                          batch_size=len(batch[0]))
+                self.samples.update(torch.tensor(float(len(batch[0]))))
+                self.log("samples", self.samples, on_step=False, on_epoch=True)
             return loss
 
         def on_before_optimizer_step(self, optimizer):
@@ -475,6 +480,8 @@ def test_a_failed_pass_leaves_no_trace_in_the_logged_epoch_mean():
     want = plain.callback_metrics["train_loss"].item()
     got = trainer.callback_metrics["train_loss"].item()
     assert abs(got - want) < 1e-6 * abs(want)
+    assert plain.callback_metrics["samples"].item() == 128  # each sample counted once
+    assert trainer.callback_metrics["samples"].item() == 128
 
 
 def _padded_lm_data():

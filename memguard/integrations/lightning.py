@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import types
 from typing import Any, Iterator, Optional
 
@@ -222,6 +223,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         original = pl_module.training_step
         extras: dict[str, Any] = {}
         logs = _HeldLogs(pl_module)
+        metrics = _MetricStates(pl_module)
         options = dict(self._options)
         # 16-mixed: memguard's backward is scaled as Lightning scales its own
         plugin = getattr(trainer, "precision_plugin", None)
@@ -234,6 +236,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
         def on_retry(attempt: Attempt) -> None:
             logs.drop()  # the failed pass leaves no trace in what is logged
+            metrics.load()
             if user_retry is not None:
                 user_retry(attempt)
 
@@ -263,6 +266,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             for p in params:
                 p.grad = None
             try:
+                metrics.save()
                 with logs.held():
                     loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
@@ -374,6 +378,40 @@ class _HeldLogs:
         calls, self.calls = self.calls, []
         for args, kwargs in calls:
             self.module.log(*args, **kwargs)
+
+
+class _MetricStates:
+    """The states of the module's torchmetrics ``Metric`` s, saved when a step starts and
+    put back before a pass that ran out of memory is redone, so that a metric updated in
+    ``training_step`` counts each sample once (nothing where torchmetrics is not in use)."""
+
+    def __init__(self, module: Any) -> None:
+        self.metrics: list[Any] = []
+        if "torchmetrics" in sys.modules:
+            from torchmetrics import Metric
+
+            self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        self.saved: list[tuple[Any, dict[str, Any], tuple]] = []
+
+    def save(self) -> None:
+        self.saved = [(m, {name: _copied(getattr(m, name)) for name in m._defaults},  # noqa: SLF001
+                       (m._update_count, m._computed, m._forward_cache))  # noqa: SLF001
+                      for m in self.metrics]
+
+    def load(self) -> None:
+        for metric, states, (count, computed, cache) in self.saved:
+            for name, value in states.items():
+                setattr(metric, name, _copied(value))
+            metric._update_count, metric._computed = count, computed  # noqa: SLF001
+            metric._forward_cache = cache  # noqa: SLF001
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
 
 
 def _detached(value: Any) -> Any:
