@@ -4,17 +4,21 @@ rank left waiting in a collective.
 
 The order of one call:
 
-1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
-   survives anything that follows), and the model's persistent buffers are copied. Calls on
-   one model are serialised: another thread's step on it waits for this one to end.
+1. The parameters' gradients on entry stay in place during the step function's first call
+   (a ``zero_grad()`` at the top of the step clears them, as in plain torch) and are then
+   moved aside as that call left them (deliberate accumulation across steps survives
+   anything that follows); the model's persistent buffers are copied. Calls on one model are
+   serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
    collectives that a peer's out-of-memory would leave unmatched.
    Before each backward the loss's graph is walked for tensors outside the model that
-   backward writes into: they are set aside with the model's. Between memguard's backward
-   calls the gradients must not change and the parameters' optimizers must not step: the
-   step function doing either is an error, not silently wrong gradients.
+   backward writes into: they are set aside with the model's. Later calls run with the
+   gradients accumulated so far moved aside (a repeated ``zero_grad()`` clears nothing); a
+   call that writes gradients itself, or steps the parameters' optimizers, is an error, not
+   silently wrong gradients, and so is a post-accumulate-grad hook (an optimizer step fused
+   into backward).
 3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
    are dropped, the buffers are put back, memory is freed, and the pass is redone at a
    smaller slice size (inside ``oom_retry``, once this call's sizes were all tried during the
@@ -684,10 +688,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
     over the slices leaves them). Calls on one model are serialised: a thread's step waits
     for another thread's step on the same model, and the gradients add up as plain torch's
-    would. The decorated function must only compute the loss: an ``optimizer.step()`` of
-    ``model``'s parameters inside it is refused before it steps, and gradients changed
-    between memguard's backward calls (``zero_grad()``, a ``backward()`` of its own,
-    clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored.
+    would. A ``zero_grad()`` at the top of the function (a loop ported as it is) starts the
+    step from zero gradients, whole or split: the first call sees the entry gradients and
+    what it does to them stands, later calls run with the accumulated gradients moved aside.
+    The decorated function must otherwise only compute the loss: an ``optimizer.step()`` of
+    ``model``'s parameters inside it is refused before it steps, gradients the function
+    writes or changes otherwise than by zeroing (a ``backward()`` of its own, clipping) are a
+    ``RuntimeError`` naming the mistake, the entry gradients restored, and a hook registered
+    with ``register_post_accumulate_grad_hook`` on the parameters (an optimizer step fused
+    into backward) is a ``NotImplementedError`` at the first call.
 
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
@@ -737,6 +746,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             pass) runs out of memory too.
         TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``
             (shard it with ``fully_shard`` instead).
+        NotImplementedError: at a call, for parameters with a post-accumulate-grad hook.
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)

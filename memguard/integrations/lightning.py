@@ -87,14 +87,20 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     in ``training_step`` or in backward drops the pass's gradients, frees memory and redoes
     the same batch in slices along dim 0 (the size that fitted is kept for later batches);
     the gradients written are those of backward of the whole batch's loss, with
-    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"`` and
+    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"``,
+    ``"16-mixed"`` (memguard's backward scaled by the precision plugin's ``GradScaler``) and
     ``strategy="ddp"`` (ranks agree after every pass on memguard's gloo group, so one rank's
     out-of-memory hangs no one; DDP averages the gradients once, in Lightning's backward).
     ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
     dict's other entries are those of the last slice; ``None`` skips the whole batch), a
     mean over the batch's samples (``reduction="mean"``), a sum (``"sum"``) or a mean over
-    what ``weight`` counts (tokens). The trained parameters are read at every step (a layer
-    unfrozen during the fit trains). Values the step logs with ``self.log`` are logged once
+    what ``weight`` counts (tokens). Without ``weight``, as for the Hugging Face Trainer, a
+    mapping batch with ``labels`` weighs each slice by its labels that are not -100 (over
+    ``labels[..., 1:]`` for a Hugging Face causal language model in the module; logged at
+    INFO at the first split), other batches by samples. The trained parameters are read at
+    every step (a layer unfrozen during the fit trains). Values the step logs with
+    ``self.log`` are held back: a pass that ran out of memory logs nothing (and the module's
+    torchmetrics states are put back before it is redone); the pass that counts logs once
     per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
     each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
     through the module's ``log``; ``microbatch_size`` holds the size that fitted.

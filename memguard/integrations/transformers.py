@@ -508,9 +508,13 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
 
     What stays exact: when the Trainer passes ``num_items_in_batch`` (models that accept loss
     kwargs, or a ``compute_loss_func``), each slice's loss is against the whole batch's
-    count, so the slices' losses add up (``reduction="sum"``); otherwise each slice's loss
-    is weighted by ``weight`` (default: the labels that are not -100, shifted as the
-    Trainer counts them, or samples when the batch has no labels). With
+    count, so the slices' losses add up (``reduction="sum"``); whether the loss really is
+    divided by it (a model whose ``forward`` takes ``**kwargs`` may return its own mean) is
+    checked once per model at its first split, unless the Trainer sets
+    ``loss_is_scaled_for_ga``: two gradient-free losses of one sample, with the count and
+    twice it. Otherwise each slice's loss is weighted by ``weight`` (default: the labels
+    that are not -100, shifted as the Trainer counts them, or samples when the batch has no
+    labels). With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
