@@ -311,8 +311,8 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
 
     >>> import torch
     >>> weight = token_weight(shifts=True)
-    >>> int(weight({"labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}))
-    2
+    >>> int(weight({"labels": torch.tensor([[1, 2, 5, -100], [3, 4, -100, -100]])}))
+    3
     """
     said: list[bool] = []
 
