@@ -57,7 +57,7 @@ def tiny_gpt2():
 class Ceiling:
     """A CUDA-style out-of-memory raised inside the model's real first block when more than
     ``limit`` samples pass through it: in forward, or in backward (from a hook on the
-    block's output gradient). ``seen`` counts the samples each pass ran."""
+    block's output gradient). ``seen`` counts the samples each training pass ran."""
 
     def __init__(self, model, limit: int, where: str = "forward") -> None:
         self.limit, self.where, self.failures, self.seen = limit, where, 0, []
@@ -70,7 +70,8 @@ class Ceiling:
 
     def hook(self, module, inputs, output):
         hidden = output[0] if isinstance(output, tuple) else output
-        self.seen.append(hidden.shape[0])
+        if torch.is_grad_enabled():  # a training pass (not memguard's gradient-free check)
+            self.seen.append(hidden.shape[0])
         if self.where == "forward":
             self.fail_if_over(hidden.shape[0])
         elif torch.is_grad_enabled():
