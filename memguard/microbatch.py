@@ -4,17 +4,21 @@ rank left waiting in a collective.
 
 The order of one call:
 
-1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
-   survives anything that follows), and the model's persistent buffers are copied. Calls on
-   one model are serialised: another thread's step on it waits for this one to end.
+1. The parameters' gradients on entry stay in place during the step function's first call
+   (a ``zero_grad()`` at the top of the step clears them, as in plain torch) and are then
+   moved aside as that call left them (deliberate accumulation across steps survives
+   anything that follows); the model's persistent buffers are copied. Calls on one model are
+   serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
    collectives that a peer's out-of-memory would leave unmatched.
    Before each backward the loss's graph is walked for tensors outside the model that
-   backward writes into: they are set aside with the model's. Between memguard's backward
-   calls the gradients must not change and the parameters' optimizers must not step: the
-   step function doing either is an error, not silently wrong gradients.
+   backward writes into: they are set aside with the model's. Later calls run with the
+   gradients accumulated so far moved aside (a repeated ``zero_grad()`` clears nothing); a
+   call that writes gradients itself, or steps the parameters' optimizers, is an error, not
+   silently wrong gradients, and so is a post-accumulate-grad hook (an optimizer step fused
+   into backward).
 3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
    are dropped, the buffers are put back, memory is freed, and the pass is redone at a
    smaller slice size (inside ``oom_retry``, once this call's sizes were all tried during the
@@ -239,12 +243,18 @@ class _Step(Loop):
         self.fallback = None
         if found is None:
             params, slots = training.trained(cfg.model)
+            hooked = training.fused_steps(params, cfg.ddp)
+            if hooked:
+                raise _fused_step_error(cfg, params, hooked)
             found = params, slots, {id(p) for p in params}, len(params)
         # the model's own parameters (what DDP averages) and those found outside it, by id
         self.params, self.slots, self.known, self.shared = found
-        self.marks: Optional[list[Any]] = None  # the gradients after memguard's last backward
         self.buffers: Optional[training.Buffers] = None
+        # the gradients on entry: left on the parameters (held) until the step function's
+        # first call returns, then moved aside (entry) as that call left them
+        self.held: training.Held = None
         self.entry: list[Any] = []
+        self.settled = False
         self.syncs = False  # a DDP model's reduction is held back: agree on its flags too
 
     def _start(self, size: int) -> None:
@@ -293,7 +303,13 @@ class _Step(Loop):
         if gauge is not None:
             gauge.start()
         gave_up: dict[Any, int] = {}  # what loops nested in the pass give up at
-        entry = training.stash(params)
+        if walked.hooked:  # read at the walk: walked again, in case they were removed since
+            walked.refresh(started)
+            params = walked.params
+            if walked.hooked:
+                raise _fused_step_error(cfg, params, walked.hooked)
+        held = training.hold(params)  # left in place: a zero_grad() in the call clears them
+        entry: Optional[list[Any]] = None  # once the call returned
         buffers = None
         try:
             if walked.slots:
@@ -306,8 +322,10 @@ class _Step(Loop):
                     loss = wrapped(batch, *args, **kwargs)
                 finally:
                     training.REFUSED.reset(refused)
+                entry, appeared, changed = training.settle(params, held)
+                if appeared or changed:
+                    raise _changed_error(cfg, len(params), appeared, changed)
                 training.check_loss(loss, cfg.called)
-                _gradients_untouched(cfg, params, None)  # all set aside on entry
                 found = training.outside(loss, known)
                 if found:
                     params, entry, known = _adopt(cfg, state, found, params, entry, known)
@@ -315,6 +333,8 @@ class _Step(Loop):
             finally:
                 leave_attempt(token)
         except BaseException as exc:
+            if entry is None:  # the call raised: what it did to the gradients stands
+                entry = training.settle(params, held)[0]
             if not (isinstance(exc, Exception) and oom_kind(exc) is not None):
                 training.restore(params, entry)
                 state.history = []
@@ -322,7 +342,7 @@ class _Step(Loop):
             step = cls.__new__(cls)
             step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
                           (list(params), walked.slots, set(known), shared))
-            step.entry, step.buffers = entry, buffers
+            step.entry, step.buffers, step.settled = entry, buffers, True
             step._start(step.samples)  # noqa: SLF001 - its own class's
             step.gauge, step.gave_up, step.started = gauge, gave_up, started
             # recorded, frames dropped, the next size proposed
@@ -388,7 +408,7 @@ class _Step(Loop):
         """The passes, and what follows them; ``resumed``: after :meth:`whole`'s failed
         pass (the gradients and buffers already set aside, no DDP or FSDP)."""
         if not resumed:
-            self.entry = training.stash(self.params)
+            self.held = training.hold(self.params)
         fsdp = self.fsdp
         unsharded = fsdp.stash() if fsdp is not None else []
         total = None
@@ -409,6 +429,8 @@ class _Step(Loop):
             if fsdp is not None:
                 fsdp.reset()
                 fsdp.restore(unsharded)
+            if not self.settled:  # before the step function ever ran
+                self._settle_entry(strict=False)
             training.restore(self.params, self.entry)
             raise
         if syncs and self.ddp is not None:  # a DDP model's reduction was held back
@@ -419,10 +441,8 @@ class _Step(Loop):
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
         cfg, n, size = self.cfg, self.samples, self.size
-        self.marks = None  # every gradient was set aside or dropped: none is expected
         if size >= n:
-            return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None,
-                                  True)
+            return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None)
         total = None
         whole = self._weight_of(self.batch) if cfg.weight is not None else None
         for start in range(0, n, size):
@@ -441,7 +461,7 @@ class _Step(Loop):
                 # may be (FSDP runs it anyway: every rank must join backward's collectives)
                 training.check_loss(loss, cfg.called)
                 continue
-            total = self._backward(loss, weight, total, stop == n)
+            total = self._backward(loss, weight, total)
         return total
 
     def _weight_of(self, part: Any) -> float:
@@ -463,25 +483,51 @@ class _Step(Loop):
         return number
 
     def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
-        """The step function on one slice, its optimizers' steps on our parameters refused."""
+        """The step function on one slice, its optimizers' steps on our parameters refused.
+
+        The step's first call sees the entry gradients and what it does to them stands (a
+        ``zero_grad()`` at the top of the step: the step starts from zero). Every later call
+        (the next slices, a redone pass) runs with the gradients accumulated so far moved
+        aside, so that the same ``zero_grad()`` repeated there clears nothing; a gradient
+        written during such a call is a ``backward()`` of its own, an error."""
+        first = not self.settled
+        aside = None if first else training.stash(self.params)
         token = training.REFUSED.set((self.known, self.cfg.refusal))
         try:
-            return wrapped(piece, *args, **kwargs)
+            loss = wrapped(piece, *args, **kwargs)
+        except BaseException:
+            if first:
+                self._settle_entry(strict=False)
+            elif aside is not None:
+                training.restore(self.params, aside)
+            raise
         finally:
             training.REFUSED.reset(token)
+        if first:
+            self._settle_entry(strict=True)
+        elif aside is not None:
+            appeared = training.present(self.params)
+            training.restore(self.params, aside)
+            if appeared:
+                raise _changed_error(self.cfg, len(self.params), appeared, 0)
+        return loss
 
-    def _backward(self, loss: Any, weight: float, total: Any, last: bool) -> Any:
+    def _settle_entry(self, strict: bool) -> None:
+        """The entry gradients, as the step function's first call left them, moved aside;
+        ``strict``: a gradient it wrote or changed otherwise than by zeroing is an error."""
+        self.entry, appeared, changed = training.settle(self.params, self.held)
+        self.held, self.settled = None, True
+        if strict and (appeared or changed):
+            raise _changed_error(self.cfg, len(self.params), appeared, changed)
+
+    def _backward(self, loss: Any, weight: float, total: Any) -> Any:
         training.check_loss(loss, self.cfg.called)
-        _gradients_untouched(self.cfg, self.params, self.marks)
         if not self.cfg.sharded:
             found = training.outside(loss, self.known)
             if found:
                 self.params, self.entry, self.known = _adopt(
                     self.cfg, self.state, found, self.params, self.entry, self.known)
-        total = training.backward(loss, weight, self.cfg.scaler, total)
-        if not last:
-            self.marks = training.grad_marks(self.params)
-        return total
+        return training.backward(loss, weight, self.cfg.scaler, total)
 
     # -- the loop's hooks ------------------------------------------------------------------
     def steps(self) -> int:
@@ -490,7 +536,9 @@ class _Step(Loop):
     def local_flags(self) -> list[int]:
         if not self.syncs:
             return []
-        return training.presence(self.params[:self.shared], self.entry[:self.shared])
+        shared = self.params[:self.shared]
+        entry = self.entry[:self.shared] if self.settled else [None] * len(shared)
+        return training.presence(shared, entry)
 
     def propose(self, estimate: Optional[int]) -> Optional[int]:
         if self.fallback is not None:  # a larger size tried after clean steps: step back
@@ -505,6 +553,8 @@ class _Step(Loop):
 
     def recover(self, retrying: bool) -> int:
         """Drop the failed pass's gradients, put the buffers back, free its memory."""
+        if not self.settled:  # the pass failed before the step function's first call
+            self._settle_entry(strict=False)
         training.drop(self.params)
         if self.fsdp is not None:  # FSDP's iteration state, left mid-pass by the error
             self.fsdp.reset()
@@ -527,26 +577,38 @@ class _Step(Loop):
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
-def _gradients_untouched(cfg: _Config, params: list[Any],
-                         marks: Optional[list[Optional[tuple[Any, int]]]]) -> None:
-    """The gradients are as memguard's last backward left them (``marks``; ``None``: all
-    set aside), or a clear error."""
-    appeared, vanished, modified = training.grads_changed(params, marks)
-    if not (appeared or vanished or modified):
-        return
-    if vanished:
-        what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
-    elif appeared and marks is None:
-        what = "gradients were written before memguard's backward: a backward() of its own"
+def _changed_error(cfg: _Config, total: int, appeared: int, changed: int) -> RuntimeError:
+    """The error for gradients that the step function wrote or changed itself."""
+    if appeared:
+        what = ("gradients were written before memguard's backward: a backward() of its own "
+                "or an assignment to .grad")
     else:
-        what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
-                "False), or clipping")
-    raise RuntimeError(
-        f"{cfg.called} changed the gradients of {appeared + vanished + modified} of "
-        f"the {len(params)} tensors auto_microbatch accumulates gradients for ({what}). "
-        f"auto_microbatch runs backward itself, once per slice, and the step function "
-        f"must only return the loss: call zero_grad(), clip_grad_norm_() and "
-        f"optimizer.step() after the decorated function returns")
+        what = ("they changed in place to values other than zeros: a backward() of its own "
+                "or clipping")
+    return RuntimeError(
+        f"{cfg.called} changed the gradients of {appeared + changed} of the {total} tensors "
+        f"auto_microbatch accumulates gradients for ({what}). auto_microbatch runs backward "
+        f"itself, once per slice, and the step function must only return the loss (a "
+        f"zero_grad() before the forward is fine: the step then starts from zero "
+        f"gradients); clip and call optimizer.step() after the decorated function returns")
+
+
+def _fused_step_error(cfg: _Config, params: list[Any],
+                      hooked: list[tuple[int, Any]]) -> NotImplementedError:
+    """The refusal of hooks that run on each finished gradient (an optimizer step fused into
+    backward)."""
+    index, hook = hooked[0]
+    names = {id(p): name for name, p in cfg.model.named_parameters()}
+    where = names.get(id(params[index]), training.describe(params[index]))
+    count = len({i for i, _ in hooked})
+    return NotImplementedError(
+        f"auto_microbatch: {count} parameter(s) of {cfg.name}'s model have a hook registered "
+        f"with register_post_accumulate_grad_hook ({training.hook_name(hook)} on {where!r}): "
+        f"auto_microbatch runs backward once per slice and drops a failed pass's gradients, "
+        f"so such a hook (an optimizer step fused into backward) would run on partial "
+        f"gradients and on gradients that are then dropped. Remove the hook and call "
+        f"optimizer.step() after the decorated function returns, or train this model without "
+        f"auto_microbatch")
 
 
 def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
@@ -626,10 +688,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
     over the slices leaves them). Calls on one model are serialised: a thread's step waits
     for another thread's step on the same model, and the gradients add up as plain torch's
-    would. The decorated function must only compute the loss: an ``optimizer.step()`` of
-    ``model``'s parameters inside it is refused before it steps, and gradients changed
-    between memguard's backward calls (``zero_grad()``, a ``backward()`` of its own,
-    clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored.
+    would. A ``zero_grad()`` at the top of the function (a loop ported as it is) starts the
+    step from zero gradients, whole or split: the first call sees the entry gradients and
+    what it does to them stands, later calls run with the accumulated gradients moved aside.
+    The decorated function must otherwise only compute the loss: an ``optimizer.step()`` of
+    ``model``'s parameters inside it is refused before it steps, gradients the function
+    writes or changes otherwise than by zeroing (a ``backward()`` of its own, clipping) are a
+    ``RuntimeError`` naming the mistake, the entry gradients restored, and a hook registered
+    with ``register_post_accumulate_grad_hook`` on the parameters (an optimizer step fused
+    into backward) is a ``NotImplementedError`` at the first call.
 
     With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
     and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
@@ -679,6 +746,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             pass) runs out of memory too.
         TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``
             (shard it with ``fully_shard`` instead).
+        NotImplementedError: at a call, for parameters with a post-accumulate-grad hook.
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)

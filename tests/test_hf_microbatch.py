@@ -61,7 +61,7 @@ def tiny_gpt2():
 class Ceiling:
     """A CUDA-style out-of-memory raised inside the model's real first block when more than
     ``limit`` samples pass through it: in forward, or in backward (from a hook on the
-    block's output gradient). ``seen`` counts the samples each pass ran."""
+    block's output gradient). ``seen`` counts the samples each training pass ran."""
 
     def __init__(self, model, limit: int, where: str = "forward") -> None:
         self.limit, self.where, self.failures, self.seen = limit, where, 0, []
@@ -74,7 +74,8 @@ class Ceiling:
 
     def hook(self, module, inputs, output):
         hidden = output[0] if isinstance(output, tuple) else output
-        self.seen.append(hidden.shape[0])
+        if torch.is_grad_enabled():  # a training pass (not memguard's gradient-free check)
+            self.seen.append(hidden.shape[0])
         if self.where == "forward":
             self.fail_if_over(hidden.shape[0])
         elif torch.is_grad_enabled():
@@ -233,6 +234,61 @@ def test_a_subclass_whose_loss_ignores_num_items_is_weighted_by_tokens(tmp_path)
     reference, _ = trained(tmp_path / "ref", cls=OwnMean, wrap=False)
     trainer, ceiling = trained(tmp_path / "split", cls=OwnMean, limit=3)
     assert ceiling.failures >= 1
+    assert distance(trainer, reference) < 1e-6
+
+
+class Regression(torch.nn.Module):
+    """Hugging Face's own test ``RegressionModel`` pattern: ``forward`` takes ``**kwargs``
+    (so the Trainer passes ``num_items_in_batch``) and returns its own mean loss, ignoring
+    it. Out of memory, CUDA-style, for more than ``limit`` samples."""
+
+    def __init__(self, limit=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(3, 1)
+        self.limit = limit
+
+    def forward(self, input_x, labels=None, **kwargs):
+        if self.limit is not None and input_x.shape[0] > self.limit:
+            raise RuntimeError(CUDA_OOM)
+        y = self.layer(input_x).squeeze(-1)
+        if labels is None:
+            return (y,)
+        return (torch.nn.functional.mse_loss(y, labels), y)
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(3, generator=g)
+        return {"input_x": x, "labels": x.sum() * 2.0 + torch.randn((), generator=g)}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_model_taking_kwargs_that_ignores_num_items_splits_exactly(tmp_path, accumulate):
+    def run(limit, wrap, name):
+        trainer = transformers.Trainer(
+            model=Regression(limit), train_dataset=Points(),
+            args=arguments(tmp_path / name, logging_strategy="steps", logging_steps=1,
+                           gradient_accumulation_steps=accumulate))
+        if wrap:
+            trainer = auto_microbatch(trainer)
+        trainer.train()
+        return trainer
+
+    reference = run(None, False, "ref")
+    assert reference.model_accepts_loss_kwargs  # the Trainer passes num_items_in_batch
+    trainer = run(2, True, "split")
+    assert trainer.training_step.microbatch_size == 2
+    ours = [e for e in trainer.state.log_history if "loss" in e]
+    theirs = [e for e in reference.state.log_history if "loss" in e]
+    assert len(ours) == len(theirs) == 4
+    for mine, ref in zip(ours, theirs, strict=True):
+        assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert distance(trainer, reference) < 1e-6
 
 

@@ -418,3 +418,117 @@ def test_a_step_that_returns_none_skips_the_batch_as_without_the_callback(limit)
     assert trainer.global_step == plain.global_step
     assert distance(model, reference) < 1e-5
     assert "training_step" not in vars(model)  # the module's own step is back
+
+
+# -- 16-mixed, logged values, the default weight -----------------------------------------------
+def _recording(pl, scale=1.0, log=False):
+    """The test module whose loss is multiplied by ``scale`` and which records its unscaled
+    gradients before each optimizer step; with ``log``, it logs its loss per epoch, weighted
+    by the samples it was given, and a torchmetrics sum of the samples it saw."""
+    Net = module_class(pl)
+
+    class Recording(Net):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.grads: list[list[torch.Tensor]] = []
+            if log:
+                torchmetrics = pytest.importorskip("torchmetrics")
+                self.samples = torchmetrics.SumMetric()
+
+        def training_step(self, batch, index):
+            loss = super().training_step(batch, index) * scale
+            if log:
+                self.log("train_loss", loss, on_step=False, on_epoch=True,
+                         batch_size=len(batch[0]))
+                self.samples.update(torch.tensor(float(len(batch[0]))))
+                self.log("samples", self.samples, on_step=False, on_epoch=True)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer):
+            self.grads.append([p.grad.detach().clone() for p in self.parameters()])
+
+    torch.manual_seed(1)
+    return Recording
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_16_mixed_split_matches_the_plain_16_mixed_run(where):
+    pl = lightning("pytorch_lightning")
+    from pytorch_lightning.plugins import MixedPrecision
+
+    Recording = _recording(pl, scale=1e-6)  # unscaled, fp16 gradients of it underflow to 0
+    reference = Recording(where=where, lr=1e4)
+    model = copy.deepcopy(reference)
+    model.limit = 10
+    fit(pl, reference, [], plugins=[MixedPrecision("16-mixed", "cpu")])
+    fit(pl, model, [MemguardCallback(microbatch=True)],
+        plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert model.sizes[:3] == [32, 16, 8]
+    assert len(model.grads) == len(reference.grads) == 4
+    for got, want in zip(model.grads, reference.grads, strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert w.abs().max() > 0  # precondition: the plain run's did not underflow
+            assert (g - w).abs().max() <= 5e-3 * w.abs().max()  # fp16 rounding of slices
+
+
+def test_a_failed_pass_leaves_no_trace_in_the_logged_epoch_mean():
+    pl = lightning("pytorch_lightning")
+    Recording = _recording(pl, log=True)
+    reference = Recording(where="backward")  # the failed passes log, then run out
+    model = copy.deepcopy(reference)
+    model.limit = 10
+    plain = fit(pl, reference, [])
+    trainer = fit(pl, model, [MemguardCallback(microbatch=True)])
+    assert model.sizes[:3] == [32, 16, 8]
+    want = plain.callback_metrics["train_loss"].item()
+    got = trainer.callback_metrics["train_loss"].item()
+    assert abs(got - want) < 1e-6 * abs(want)
+    assert plain.callback_metrics["samples"].item() == 128  # each sample counted once
+    assert trainer.callback_metrics["samples"].item() == 128
+
+
+def _padded_lm_data():
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for length in [12, 3, 9, 2, 12, 5, 7, 11, 4, 12, 6, 8, 1, 10, 12, 2]:
+        ids = torch.randint(0, 97, (12,), generator=g)
+        labels = ids.clone()
+        labels[length:] = -100  # right padding
+        samples.append({"input_ids": ids, "labels": labels})
+    return samples
+
+
+def test_a_padded_causal_lm_splits_by_tokens_without_weight(caplog):
+    pl = lightning("pytorch_lightning")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=16, n_layer=1,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.GPT2LMHeadModel(config)
+            self.limit = None
+
+        def training_step(self, batch, index):
+            if self.limit and len(batch["input_ids"]) > self.limit:
+                raise RuntimeError(OOM)
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    torch.manual_seed(0)
+    reference = LM()
+    model = copy.deepcopy(reference)
+    model.limit = 3
+    options = dict(max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   accelerator="cpu", devices=1)
+    pl.Trainer(**options).fit(reference, DataLoader(_padded_lm_data(), batch_size=8))
+    with caplog.at_level("INFO", logger="memguard"):
+        pl.Trainer(callbacks=[MemguardCallback(microbatch=True)], **options).fit(
+            model, DataLoader(_padded_lm_data(), batch_size=8))
+    assert distance(model, reference) < 1e-5
+    assert "labels[..., 1:] that are not -100" in caplog.text

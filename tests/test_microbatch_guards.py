@@ -397,21 +397,117 @@ def test_an_optimizer_of_other_parameters_may_step_inside():
     assert_close(grads(model), grads(reference))
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_inside_the_step_function_with_a_split_is_refused(set_to_none):
-    model, _ = pair()
-    model.forward_limit = 50
-    x, y = data(128)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def _clear(how, model, optimizer):
+    if how == "optimizer":
+        optimizer.zero_grad()
+    elif how == "model":
+        model.zero_grad()
+    else:  # zeros kept in place
+        optimizer.zero_grad(set_to_none=False)
+
+
+@pytest.mark.parametrize("split", [None, "forward", "backward"])
+@pytest.mark.parametrize("how", ["optimizer", "model", "zeros"])
+def test_zero_grad_at_the_top_of_the_step_starts_it_from_zero_as_in_plain_torch(split, how):
+    """The natural port of a loop (zero_grad() kept at the top, backward() and step() taken
+    out) trains as the loop does, whether the batch fits whole or is split."""
+    model, reference = pair()
+    if split is not None:  # every step split: the first call fails, then slices of 64
+        setattr(model, f"{split}_limit", 70)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
 
     @memguard.auto_microbatch(model)
     def loss_of(batch):
-        optimizer.zero_grad(set_to_none=set_to_none)
+        _clear(how, model, optimizer)
         return F.mse_loss(model(batch[0]), batch[1])
 
-    with pytest.raises(RuntimeError, match=r"zero_grad\(\)"):
+    for seed in range(3):
+        x, y = data(128, seed)
         loss_of((x, y))
+        optimizer.step()
+        _clear(how, reference, plain)
+        F.mse_loss(reference(x), y).backward()
+        plain.step()
+        assert_close(grads(model), grads(reference))
+        assert_close([p.detach() for p in model.parameters()],
+                     [p.detach() for p in reference.parameters()])
+    if split is not None:
+        assert loss_of.microbatch_size == 64 and len(loss_of.history) == 1
+
+
+def test_zero_grad_of_one_optimizer_clears_only_its_parameters():
+    model, reference = pair()
+    x, y = data(128)
+    F.mse_loss(model(x), y).backward()  # both layers hold gradients on entry
+    F.mse_loss(reference(x), y).backward()
+    first = torch.optim.SGD(model.first.parameters(), lr=0.1)
+    model.forward_limit = 50
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        first.zero_grad()  # the first layer starts from zero, the second accumulates
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y))
+    reference.first.zero_grad()
+    F.mse_loss(reference(x), y).backward()
+    assert_close(grads(model), grads(reference))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_clipping_entry_gradients_inside_the_step_function_is_refused(split):
+    model, _ = pair()
+    x, y = data(128)
+    F.mse_loss(model(x), y).backward()
+    entry = grads(model)
+    model.backward_limit = 50 if split else 10**9
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(RuntimeError, match=r"changed in place .* clipping") as info:
+        loss_of((x, y))
+    assert "optimizer.step() after the decorated function returns" in str(info.value)
+    assert all(p.grad is not None for p in model.parameters())
+    assert not any(torch.equal(a, b) for a, b in zip(grads(model), entry, strict=True))
+
+
+# -- an optimizer step fused into backward ---------------------------------------------------
+def test_an_optimizer_step_fused_into_backward_is_refused_at_the_first_call():
+    model, _ = pair()
+    x, y = data(128)
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(param):  # PyTorch's tutorial pattern
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(step_in_backward)
+               for p in model.parameters()]
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    with pytest.raises(NotImplementedError, match=r"register_post_accumulate_grad_hook "
+                       r"\(.*step_in_backward on 'first\.weight'\)") as info:
+        loss_of((x, y))
+    assert "call optimizer.step() after the decorated function returns" in str(info.value)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
     assert all(p.grad is None for p in model.parameters())
+
+    for handle in handles:  # without the hooks it trains; a hook added later is refused on
+        handle.remove()     # the path of a split step too
+    model.forward_limit = 50
+    loss_of((x, y))
+    assert loss_of.microbatch_size == 32
+    model.second.bias.register_post_accumulate_grad_hook(step_in_backward)
+    with pytest.raises(NotImplementedError, match=r"1 parameter\(s\).*'second\.bias'"):
+        loss_of((x, y))
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -74,7 +74,8 @@ class Walked:
     """:func:`trained` for one model, kept between steps: walked again when any module
     registers a parameter, buffer or submodule through torch's API (assignment included:
     torch's global registration hooks count them) and at least every :data:`REWALK`
-    seconds. ``known`` holds the parameters' ids.
+    seconds. ``known`` holds the parameters' ids, ``hooked`` their post-accumulate-grad
+    hooks (:func:`fused_steps`, read at each walk).
 
     What a kept walk can miss is taken care of where it matters: buffers are read from their
     modules at each step (:class:`Buffers`), a parameter missing from ``params`` is a leaf
@@ -83,7 +84,7 @@ class Walked:
     aside and back.
     """
 
-    __slots__ = ("model", "generation", "until", "params", "slots", "known")
+    __slots__ = ("model", "generation", "until", "params", "slots", "known", "hooked")
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -92,6 +93,7 @@ class Walked:
         self.params: list[Any] = []
         self.slots: list[Slot] = []
         self.known: frozenset[int] = frozenset()
+        self.hooked: list[tuple[int, Any]] = []  # fused_steps(params)
 
     def get(self, now: float) -> "Walked":
         """Itself, walked again if a change was seen or :data:`REWALK` seconds passed
@@ -107,6 +109,7 @@ class Walked:
         self.generation = _GENERATION[0]  # before the walk: a change during it walks again
         self.params, self.slots = trained(self.model)
         self.known = frozenset(id(p) for p in self.params)
+        self.hooked = fused_steps(self.params)
         self.until = now + REWALK
 
 
@@ -276,30 +279,98 @@ class Buffers:
                     module._buffers[name] = saved.clone()  # noqa: SLF001 - with the owner
 
 
-def grad_marks(params: list[Any]) -> list[Optional[tuple[Any, int]]]:
-    """What each parameter's gradient is now (a weak reference and its version counter), to
-    tell later whether anything but memguard's own backward changed it. A weak reference, so
-    that backward still accumulates in place."""
+Held = Optional[list[Optional[tuple[Any, int]]]]
+"""The gradients on entry, left on the parameters: a weak reference and the version counter of
+each (``None`` for a parameter without one); ``None`` when no parameter holds one."""
+
+
+def hold(params: list[Any]) -> Held:
+    """What each parameter's gradient is on entry, left in place, to tell after the step
+    function's first call what that call did to it (:func:`settle`). Weak references, so that
+    a ``zero_grad()`` in the call frees the gradients as it would in plain torch."""
+    now = list(map(grads, params))
+    if now.count(None) == len(now):
+        return None
     return [None if g is None else (weakref.ref(g), g._version)  # noqa: SLF001 - autograd's counter
-            for g in (p.grad for p in params)]
+            for g in now]
 
 
-def grads_changed(params: list[Any], marks: Optional[list[Optional[tuple[Any, int]]]]
-                  ) -> tuple[int, int, int]:
-    """How the gradients changed since ``marks`` (``None``: since they were all dropped):
-    ``(appeared, vanished, modified)`` counts of parameters."""
-    if marks is None:
-        return len(params) - list(map(grads, params)).count(None), 0, 0
-    appeared = vanished = modified = 0
-    for p, mark in zip(params, marks, strict=False):  # params may have grown since
-        g = p.grad
-        if mark is None:
-            appeared += g is not None
-        elif g is None:
-            vanished += 1
-        elif g is not mark[0]() or g._version != mark[1]:  # noqa: SLF001 - autograd's counter
-            modified += 1
-    return appeared, vanished, modified
+def settle(params: list[Any], held: Held) -> tuple[list[Any], int, int]:
+    """After the step function's first call, before memguard's first backward: the gradients
+    as the call left them become the entry gradients, moved aside (the parameters are left
+    with none), exactly what plain torch's backward would accumulate into: one set to
+    ``None`` (``zero_grad()``) is gone, one zeroed in place (``zero_grad(set_to_none=False)``)
+    is zeros.
+
+    Returns the entry gradients and two counts of parameters: gradients that appeared or were
+    replaced by another tensor (a ``backward()`` of the call's own, an assignment: their entry
+    is put back as it was where it still exists), and gradients changed in place to anything
+    but zeros (a ``backward()`` of its own, clipping)."""
+    now = list(map(grads, params))
+    if now.count(None) == len(now):  # none on entry and none now, or all cleared
+        return now, 0, 0
+    appeared = 0
+    changed: list[Any] = []
+    for i, g in enumerate(now):
+        if g is None:
+            continue
+        mark = held[i] if held is not None and i < len(held) else None
+        if mark is None or mark[0]() is not g:
+            appeared += 1
+            now[i] = None if mark is None else mark[0]()  # the entry, if it still exists
+        elif g._version != mark[1]:  # noqa: SLF001 - autograd's counter
+            changed.append(g)
+    for p in params:
+        p.grad = None
+    return now, appeared, _nonzero(changed) if changed else 0
+
+
+def _nonzero(tensors: list[Any]) -> int:
+    """How many of ``tensors`` hold anything but zeros (one synchronisation per device)."""
+    import torch
+
+    by_device: dict[Any, list[Any]] = {}
+    for t in tensors:
+        values = t._values() if t.is_sparse else t  # noqa: SLF001 - a sparse tensor's values
+        by_device.setdefault(values.device, []).append(values.ne(0).any())
+    with torch.no_grad():
+        return sum(int(torch.stack(flags).sum().item()) for flags in by_device.values())
+
+
+def present(params: list[Any]) -> int:
+    """How many of ``params`` hold a gradient."""
+    now = list(map(grads, params))
+    return len(now) - now.count(None)
+
+
+def fused_steps(params: list[Any], ddp: Any = None) -> list[tuple[int, Any]]:
+    """The hooks registered with ``register_post_accumulate_grad_hook`` on ``params`` (an
+    optimizer step fused into backward, or any other work on each finished gradient), as
+    ``(index in params, hook)``; ``DistributedDataParallel``'s own (compiled autograd's
+    reduction, idle while memguard holds the reduction back) are left out. One attribute
+    read per parameter."""
+    found: list[tuple[int, Any]] = []
+    for i, p in enumerate(params):
+        hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 - where torch keeps them
+        if hooks:
+            found.extend((i, hook) for hook in hooks.values())
+    if found and ddp is not None:
+        own = {id(hook) for handle in getattr(ddp, "_accum_grad_hooks", ())
+               for hook in _handle_hooks(handle)}
+        found = [(i, hook) for i, hook in found if id(hook) not in own]
+    return found
+
+
+def _handle_hooks(handle: Any) -> list[Any]:
+    """The hook a ``RemovableHandle`` stands for (none once removed)."""
+    hooks = handle.hooks_dict_ref()
+    return [hooks[handle.id]] if hooks is not None and handle.id in hooks else []
+
+
+def hook_name(hook: Any) -> str:
+    """A hook's readable name (a ``functools.partial``'s function's)."""
+    func = getattr(hook, "func", hook)
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
 REFUSED: ContextVar[Optional[tuple["set[int] | frozenset[int]", str]]] = ContextVar(

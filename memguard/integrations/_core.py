@@ -10,7 +10,8 @@ step-level readings of ``log_every_n_steps``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import sys
+from typing import Any, Callable, Optional
 
 from .._checks import flag, optional_positive_int
 from .._units import Size, parse_optional_size
@@ -298,5 +299,62 @@ def missing(package: str, extra: str, what: str) -> ImportError:
                        f'pip install "memguard[{extra}]" (or pip install {package})')
 
 
-__all__ = ["CallbackBase", "Tracker", "check_options", "metrics_of", "missing",
-           "retry_running"]
+# -- what a split step's slices are weighted by ------------------------------------------------
+def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
+                 ) -> Callable[[Any], Any]:
+    """The default ``weight`` of the trainer integrations: what a loss averages over, read
+    from a slice of the batch. In a mapping batch: the ``shift_labels`` that are not -100,
+    else the ``labels`` that are not -100 (over ``labels[..., 1:]`` when ``shifts``, as a
+    causal language model's loss shifts them); otherwise the slice's samples. Where the
+    labels have no -100, that count is proportional to the samples: the same weighting.
+    ``told`` is called once with what is counted, at the first count of labels.
+
+    >>> import torch
+    >>> weight = token_weight(shifts=True)
+    >>> int(weight({"labels": torch.tensor([[1, 2, 5, -100], [3, 4, -100, -100]])}))
+    3
+    """
+    said: list[bool] = []
+
+    def weight(batch: Any) -> Any:
+        if not hasattr(batch, "keys"):
+            return _length(batch)
+        if "shift_labels" in batch:
+            what, labels = "shift_labels", batch["shift_labels"]
+        elif "labels" in batch and hasattr(batch["labels"], "ne"):
+            what, labels = "labels", batch["labels"]
+            if shifts and labels.dim() > 1:
+                what, labels = "labels[..., 1:]", labels[..., 1:]
+        else:
+            return _length(batch)
+        if told is not None and not said:
+            said.append(True)
+            told(what)
+        return labels.ne(-100).sum()
+
+    return weight
+
+
+def causal_lm(module: Any) -> bool:
+    """Whether ``module`` is a Hugging Face model whose loss is a causal language model's,
+    which shifts the labels (``False`` where transformers was never imported)."""
+    if "transformers" not in sys.modules:
+        return False
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        config = getattr(module, "config", None)
+        return (getattr(module, "loss_function", None) is ForCausalLMLoss
+                and not getattr(config, "is_encoder_decoder", False))
+    except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
+        return False
+
+
+def _length(batch: Any) -> int:
+    from .._slices import plan_batch
+
+    return int(plan_batch(batch).length or 0)
+
+
+__all__ = ["CallbackBase", "Tracker", "causal_lm", "check_options", "metrics_of", "missing",
+           "retry_running", "token_weight"]

@@ -18,12 +18,15 @@ averages) writes exactly what backward of the unsplit loss would have.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import types
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+from ..loop import Attempt
 from ..microbatch import auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, missing
+from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:  # the standalone package first: it is what memguard[lightning] installs
     import pytorch_lightning as _pl
@@ -84,14 +87,20 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     in ``training_step`` or in backward drops the pass's gradients, frees memory and redoes
     the same batch in slices along dim 0 (the size that fitted is kept for later batches);
     the gradients written are those of backward of the whole batch's loss, with
-    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"`` and
+    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"``,
+    ``"16-mixed"`` (memguard's backward scaled by the precision plugin's ``GradScaler``) and
     ``strategy="ddp"`` (ranks agree after every pass on memguard's gloo group, so one rank's
     out-of-memory hangs no one; DDP averages the gradients once, in Lightning's backward).
     ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
     dict's other entries are those of the last slice; ``None`` skips the whole batch), a
     mean over the batch's samples (``reduction="mean"``), a sum (``"sum"``) or a mean over
-    what ``weight`` counts (tokens). The trained parameters are read at every step (a layer
-    unfrozen during the fit trains). Values the step logs with ``self.log`` are logged once
+    what ``weight`` counts (tokens). Without ``weight``, as for the Hugging Face Trainer, a
+    mapping batch with ``labels`` weighs each slice by its labels that are not -100 (over
+    ``labels[..., 1:]`` for a Hugging Face causal language model in the module; logged at
+    INFO at the first split), other batches by samples. The trained parameters are read at
+    every step (a layer unfrozen during the fit trains). Values the step logs with
+    ``self.log`` are held back: a pass that ran out of memory logs nothing (and the module's
+    torchmetrics states are put back before it is redone); the pass that counts logs once
     per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
     each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
     through the module's ``log``; ``microbatch_size`` holds the size that fitted.
@@ -161,7 +170,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         self._tracker.start_run()
         self._tracker.batch_size = _batch_size(trainer, pl_module)
         if self.microbatch:
-            self._install(pl_module)
+            self._install(pl_module, trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()
@@ -206,7 +215,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             raise error
 
     # -- microbatch=True -----------------------------------------------------------------------
-    def _install(self, pl_module: Any) -> None:
+    def _install(self, pl_module: Any, trainer: Any = None) -> None:
         """Replace ``pl_module.training_step`` (an attribute of the instance, shadowing the
         class's method) for this fit."""
         self._uninstall()
@@ -219,6 +228,25 @@ class MemguardCallback(CallbackBase, _pl.Callback):
                 f"optimizer.step() after it")
         original = pl_module.training_step
         extras: dict[str, Any] = {}
+        logs = _HeldLogs(pl_module)
+        metrics = _MetricStates(pl_module)
+        options = dict(self._options)
+        # 16-mixed: memguard's backward is scaled as Lightning scales its own
+        plugin = getattr(trainer, "precision_plugin", None)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            options["scaler"] = scaler
+        if options.get("reduction", "mean") == "mean" and options.get("weight") is None:
+            options["weight"] = _default_weight(pl_module)
+        user_retry = options.get("on_retry")
+
+        def on_retry(attempt: Attempt) -> None:
+            logs.drop()  # the failed pass leaves no trace in what is logged
+            metrics.load()
+            if user_retry is not None:
+                user_retry(attempt)
+
+        options["on_retry"] = on_retry
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             output = original(batch, *args, **kwargs)
@@ -233,7 +261,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(pl_module).__name__}.training_step")
-        step = auto_microbatch(pl_module, **self._options)(training_step)
+        step = auto_microbatch(pl_module, **options)(training_step)
         callback = self
 
         def replaced(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -244,16 +272,23 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             for p in params:
                 p.grad = None
             try:
-                loss = step(batch, *args, **kwargs)
+                metrics.save()
+                with logs.held():
+                    loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
             except _Skipped:  # the step returned None: Lightning skips the batch
+                logs.replay()
                 return None
             finally:
                 for p, grad in zip(params, entry, strict=True):
                     p.grad = grad
+            logs.replay()
             history = step.history
             callback._last_size = history[-1].size if history else None
-            carrier = _carrier(loss, params, grads)
+            # memguard's backward was scaled by the scaler's scale; Lightning's backward of
+            # the carrier scales it again
+            scale = float(scaler.get_scale()) if scaler is not None else 1.0
+            carrier = _carrier(loss, params, grads, scale)
             if extras:
                 return dict(extras, loss=carrier)
             return carrier
@@ -277,11 +312,12 @@ class _Skipped(Exception):
 
 class _Carrier(torch.autograd.Function):
     """The whole batch's loss (its value) whose backward hands gradients computed already
-    to the parameters, scaled by the gradient that reaches it."""
+    (scaled by ``scale``, a GradScaler's) to the parameters, scaled by the gradient that
+    reaches it divided by ``scale``."""
 
     @staticmethod
-    def forward(ctx: Any, loss: Any, grads: list[Any], *params: Any) -> Any:
-        ctx.grads = grads
+    def forward(ctx: Any, loss: Any, grads: list[Any], scale: float, *params: Any) -> Any:
+        ctx.grads, ctx.scale = grads, scale
         return loss.clone()
 
     @staticmethod
@@ -291,17 +327,120 @@ class _Carrier(torch.autograd.Function):
             raise RuntimeError("the loss MemguardCallback(microbatch=True) returned from "
                                "training_step was backpropagated twice: its gradients are "
                                "handed to the parameters once")
+        if ctx.scale != 1.0:
+            grad = grad / ctx.scale
         if bool((grad == 1).all()):
-            return (None, None, *grads)
-        return (None, None, *(g * grad.to(g.dtype) for g in grads))
+            return (None, None, None, *grads)
+        return (None, None, None, *(g * grad.to(g.dtype) for g in grads))
 
 
-def _carrier(loss: Any, params: list[Any], grads: list[Any]) -> Any:
-    """``loss`` (detached), carrying ``grads`` into ``params`` at its backward."""
+def _carrier(loss: Any, params: list[Any], grads: list[Any], scale: float = 1.0) -> Any:
+    """``loss`` (detached), carrying ``grads`` (scaled by ``scale``) into ``params`` at its
+    backward."""
     used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     if not used:
         return loss
-    return _Carrier.apply(loss.detach(), [g for _, g in used], *(p for p, _ in used))
+    return _Carrier.apply(loss.detach(), [g for _, g in used], scale,
+                          *(p for p, _ in used))
+
+
+class _HeldLogs:
+    """The ``self.log`` calls of a step's passes, held back: those of a pass that ran out of
+    memory are dropped, those of the pass that succeeded are made once it ends, in order, so
+    that what is logged (epoch means, ``batch_size`` weights) is what the slices that count
+    logged. ``log_dict`` goes through ``log``."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("enable_graph", False):
+            value = _detached(value)
+        self.calls.append(((name, value, *args), kwargs))
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """While the step's passes run, ``module.log`` records."""
+        self.calls.clear()
+        module = self.module
+        had = "log" in vars(module)
+        before = vars(module).get("log")
+        module.log = self.record
+        try:
+            yield
+        finally:
+            if had:
+                module.log = before
+            else:
+                del module.log
+
+    def drop(self) -> None:
+        """Forget the calls of a failed pass."""
+        self.calls.clear()
+
+    def replay(self) -> None:
+        """Make the recorded calls, through the module's own ``log``."""
+        calls, self.calls = self.calls, []
+        for args, kwargs in calls:
+            self.module.log(*args, **kwargs)
+
+
+class _MetricStates:
+    """The states of the module's torchmetrics ``Metric`` s, saved when a step starts and
+    put back before a pass that ran out of memory is redone, so that a metric updated in
+    ``training_step`` counts each sample once (nothing where torchmetrics is not in use)."""
+
+    def __init__(self, module: Any) -> None:
+        self.metrics: list[Any] = []
+        if "torchmetrics" in sys.modules:
+            from torchmetrics import Metric
+
+            self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        self.saved: list[tuple[Any, dict[str, Any], tuple]] = []
+
+    def save(self) -> None:
+        self.saved = [(m, {name: _copied(getattr(m, name)) for name in m._defaults},  # noqa: SLF001
+                       (m._update_count, m._computed, m._forward_cache))  # noqa: SLF001
+                      for m in self.metrics]
+
+    def load(self) -> None:
+        for metric, states, (count, computed, cache) in self.saved:
+            for name, value in states.items():
+                setattr(metric, name, _copied(value))
+            metric._update_count, metric._computed = count, computed  # noqa: SLF001
+            metric._forward_cache = cache  # noqa: SLF001
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _default_weight(module: Any) -> Any:
+    """What ``weight`` is when none is given, as for the Hugging Face ``Trainer``: a mapping
+    batch's ``labels`` that are not -100 (shifted when the module holds a Hugging Face
+    causal language model), else samples; the choice is logged at the first split."""
+    shifts = any(causal_lm(m) for m in module.modules())
+    name = type(module).__name__
+
+    def told(what: str) -> None:
+        log.info("MemguardCallback: %s's split step weights each slice by its %s that are "
+                 "not -100 (a loss averaged over tokens); pass weight= or reduction= to "
+                 "change it", name, what)
+
+    return token_weight(shifts, told)
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import types
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from ..loop import Attempt
 from ..microbatch import auto_microbatch as _auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, missing
+from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:
     import transformers as _transformers
@@ -286,7 +287,9 @@ class MicrobatchedTrainingStep:
         self._steps: dict[str, tuple[Any, Any]] = {}  # reduction -> (model ref, step)
         self._last: Optional[Any] = None
         self._checked = False
-        self._warned = False
+        # whether a model's loss divides by num_items_in_batch, found out once per model
+        self._uses_items: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -327,17 +330,11 @@ class MicrobatchedTrainingStep:
         step = self._step(trainer, model, reduction)
         self._last = step
         divisor = trainer.accelerator.gradient_accumulation_steps
-        total = step(inputs, model, num_items_in_batch, args, kwargs)
-        if reduction == "sum" and not self._warned and len(step.history) > 1 \
-                and trainer.loss_is_scaled_for_ga is None \
-                and type(trainer).compute_loss is not _transformers.Trainer.compute_loss:
-            self._warned = True
-            log.warning("auto_microbatch(trainer): %s overrides compute_loss and the batch "
-                        "was split; its slices' losses are added, as the Trainer takes a "
-                        "loss given num_items_in_batch to be normalised by it. A "
-                        "compute_loss that ignores num_items_in_batch must say so with "
-                        "loss_is_scaled_for_ga = False (then slices are weighted by "
-                        "tokens), or the split step is not exact", type(trainer).__name__)
+        self._context = (model, num_items_in_batch)
+        try:
+            total = step(inputs, model, num_items_in_batch, args, kwargs)
+        finally:
+            self._context = None
         return total * divisor if divisor != 1 else total
 
     def _step(self, trainer: Any, model: Any, reduction: str) -> Any:
@@ -350,6 +347,12 @@ class MicrobatchedTrainingStep:
         options["reduction"] = reduction
         if reduction == "mean" and options.get("weight") is None:
             options["weight"] = _default_weight(trainer)
+        elif reduction == "sum" and "reduction" not in self._options \
+                and options.get("weight") is None and trainer.loss_is_scaled_for_ga is None:
+            # the Trainer takes the loss to be divided by num_items_in_batch because the model
+            # accepts **kwargs: whether it is, is found out at the first split
+            options["reduction"] = "mean"
+            options["weight"] = self._items_weight(trainer, _default_weight(trainer))
         if options.get("scaler") is None and getattr(trainer.accelerator, "scaler", None):
             options["scaler"] = trainer.accelerator.scaler
         original, accelerator = self.original, trainer.accelerator
@@ -387,6 +390,77 @@ class MicrobatchedTrainingStep:
         return step
 
 
+    def _items_weight(self, trainer: Any, by_tokens: Callable[[Any], Any]
+                      ) -> Callable[[Any], Any]:
+        """The weight of a slice when the Trainer passes ``num_items_in_batch``: 1 (the
+        slices' losses add up) for a loss divided by it, as the Trainer assumes; for a
+        loss that ignores it (a model whose ``forward`` takes ``**kwargs`` and returns its
+        own mean), ``by_tokens``. Called first with the whole batch when a pass splits it."""
+
+        def weight(batch: Any) -> Any:
+            context = self._context
+            if context is None:  # pragma: no cover - only called inside a step
+                return 1
+            model, items = context
+            uses = self._uses_items.get(model)
+            if uses is None:
+                uses = _loss_uses_items(trainer, model, batch, items)
+                self._uses_items[model] = uses
+            return 1 if uses else by_tokens(batch)
+
+        return weight
+
+
+def _loss_uses_items(trainer: Any, model: Any, batch: Any, items: Any) -> bool:
+    """Whether the loss ``trainer.compute_loss`` gives for ``model`` is divided by
+    ``num_items_in_batch``, found by computing it twice on one sample of ``batch`` with
+    ``items`` and ``2 * items`` (the unwrapped model in eval mode, without gradients, the
+    random number generators restored): half the loss when it is, the same loss when the
+    model ignores it. Logged; undecided (a loss of zero, one that depends on the count
+    otherwise, an FSDP-sharded model whose forward would gather on one rank only), the
+    Trainer's assumption stands."""
+    import torch
+
+    from .._slices import plan_batch
+    from ..backends import torch_fsdp
+
+    name = type(trainer).__name__
+    if items is None or torch_fsdp.units(model):
+        return True
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    plan = plan_batch(batch)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    for i in range(min(int(plan.length or 0), 4)):
+        inputs = trainer._prepare_inputs(plan.cut(batch, i, i + 1))  # noqa: SLF001 - as training_step
+        was = unwrapped.training
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), \
+                trainer.compute_loss_context_manager():
+            unwrapped.eval()
+            try:
+                once = float(trainer.compute_loss(unwrapped, dict(inputs),
+                                                  num_items_in_batch=items))
+                twice = float(trainer.compute_loss(unwrapped, dict(inputs),
+                                                   num_items_in_batch=items * 2))
+            finally:
+                unwrapped.train(was)
+        if not math.isfinite(once) or once == 0:
+            continue
+        if abs(once - twice) <= 1e-3 * abs(once):
+            log.info("auto_microbatch(trainer): %s's loss ignores num_items_in_batch (a "
+                     "mean of its own, as a model whose forward takes **kwargs may return): "
+                     "a split step weights its slices by their labels that are not -100, or "
+                     "by samples", name)
+            return False
+        if abs(once - 2 * twice) <= 1e-3 * abs(once):
+            return True
+        break
+    log.warning("auto_microbatch(trainer): could not tell whether %s's loss is divided by "
+                "num_items_in_batch; a split step adds its slices' losses, as the Trainer "
+                "assumes. Set loss_is_scaled_for_ga on the Trainer (False: a mean of its own) "
+                "to say", name)
+    return True
+
+
 def _refuse_unsupported(trainer: Any) -> None:
     """A clear error for the set-ups whose backward memguard cannot run slice by slice."""
     from accelerate.utils import DistributedType  # type: ignore[import-untyped]
@@ -407,40 +481,16 @@ def _default_weight(trainer: Any) -> Callable[[Any], Any]:
     labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
     Trainer counts), or the samples of a batch without labels."""
     shifts = bool(getattr(trainer, "_loss_shifts_labels", False)) or _causal_loss(trainer)
-
-    def weight(batch: Any) -> Any:
-        if not hasattr(batch, "keys"):
-            return _length(batch)
-        if "shift_labels" in batch:
-            return (batch["shift_labels"] != -100).sum()
-        if "labels" in batch and hasattr(batch["labels"], "ne"):
-            labels = batch["labels"]
-            if shifts and labels.dim() > 1:
-                labels = labels[..., 1:]
-            return labels.ne(-100).sum()
-        return _length(batch)
-
-    return weight
+    return token_weight(shifts)
 
 
 def _causal_loss(trainer: Any) -> bool:
     """Whether the model's own loss is a causal LM's, which shifts the labels (the Trainer's
     ``_loss_shifts_labels`` looks at ``config.loss_type`` only, unset on many configs)."""
     try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        config = getattr(model, "config", None)
-        return (getattr(model, "loss_function", None) is ForCausalLMLoss
-                and not getattr(config, "is_encoder_decoder", False))
+        return causal_lm(trainer.accelerator.unwrap_model(trainer.model))
     except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
         return False
-
-
-def _length(batch: Any) -> int:
-    from .._slices import plan_batch
-
-    return int(plan_batch(batch).length or 0)
 
 
 def auto_microbatch(trainer: Any, **options: Any) -> Any:
@@ -458,9 +508,13 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
 
     What stays exact: when the Trainer passes ``num_items_in_batch`` (models that accept loss
     kwargs, or a ``compute_loss_func``), each slice's loss is against the whole batch's
-    count, so the slices' losses add up (``reduction="sum"``); otherwise each slice's loss
-    is weighted by ``weight`` (default: the labels that are not -100, shifted as the
-    Trainer counts them, or samples when the batch has no labels). With
+    count, so the slices' losses add up (``reduction="sum"``); whether the loss really is
+    divided by it (a model whose ``forward`` takes ``**kwargs`` may return its own mean) is
+    checked once per model at its first split, unless the Trainer sets
+    ``loss_is_scaled_for_ga``: two gradient-free losses of one sample, with the count and
+    twice it. Otherwise each slice's loss is weighted by ``weight`` (default: the labels
+    that are not -100, shifted as the Trainer counts them, or samples when the batch has no
+    labels). With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
