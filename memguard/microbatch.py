@@ -262,6 +262,13 @@ class _Step(Loop):
                 f"run and averages them itself once per step, which would skip the hook "
                 f"silently. Register no hook on a model auto_microbatch steps, or step it "
                 f"without auto_microbatch")
+        if self.ddp is not None and training.static_graph(self.ddp):
+            raise NotImplementedError(
+                f"auto_microbatch: {cfg.name}'s DDP model was built with static_graph=True; "
+                f"DDP's static graph expects its gradient reduction in every backward, and "
+                f"auto_microbatch holds it back while its slices run (torch aborts the "
+                f"process at the first out-of-memory). Build the model with "
+                f"DistributedDataParallel(..., static_graph=False) (the default)")
         world = torch_distributed.world() if self.ddp is not None else None
         if self.ddp is not None and self.agreement.active and world is not None \
                 and training.group_size(self.ddp) != world[1]:

@@ -198,3 +198,35 @@ def test_a_ddp_communication_hook_is_refused_by_name(python_in_subprocess):
         print(json.dumps({{"error": error}}))
     """)
     assert out["error"] and "communication hook registered (fp16_compress_hook)" in out["error"]
+
+
+def test_a_builtin_comm_hook_and_a_static_graph_are_refused_by_name(python_in_subprocess):
+    # a built-in C++ hook leaves no Python hook to see, and DDP's static graph asserts inside
+    # torch (then aborts at an out-of-memory) once its reduction is held back: both refused
+    # at the first call, by name, before any pass runs
+    out = python_in_subprocess(f"""
+        import json, os
+        import torch, torch.distributed as dist
+        import memguard
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        errors = {{}}
+        for name in ("builtin", "static"):
+            model = DDP(torch.nn.Linear(4, 1), static_graph=name == "static")
+            if name == "builtin":
+                model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+            step = memguard.auto_microbatch(model)(lambda b: model(b).sum())
+            try:
+                step(torch.ones(8, 4))
+                errors[name] = None
+            except NotImplementedError as err:
+                errors[name] = str(err)
+            errors[name + "_grad"] = model.module.weight.grad is None
+        dist.destroy_process_group()
+        print(json.dumps(errors))
+    """)
+    assert "communication hook registered (BuiltinCommHookType.FP16_COMPRESS)" in \
+        out["builtin"], out
+    assert "static_graph=True" in out["static"] and "static_graph=False" in out["static"], out
+    assert out["builtin_grad"] and out["static_grad"]  # refused before any backward

@@ -368,7 +368,20 @@ def comm_hooks(ddp: Any) -> list[str]:
     model with ``register_comm_hook`` (fp16 compression, PowerSGD...); empty for none or for
     ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None) or []  # where DDP keeps them
-    return [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
+    names = [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
+    if names or ddp is None:
+        return names
+    # a built-in C++ hook (``_register_builtin_comm_hook``) leaves no Python object: DDP's
+    # logger records its name, as it does for every hook
+    logged = getattr(ddp, "_get_ddp_logging_data", None)
+    name = logged().get("comm_hook") if callable(logged) else None
+    return [str(name)] if name else []
+
+
+def static_graph(ddp: Any) -> bool:
+    """Whether a ``DistributedDataParallel`` model was built with ``static_graph=True`` (or
+    ``_set_static_graph()``)."""
+    return bool(getattr(ddp, "static_graph", False))
 
 
 def group_size(ddp: Any) -> int:
