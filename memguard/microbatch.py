@@ -456,7 +456,12 @@ class _Step(Loop):
             training.restore(self.params, self.entry)
             raise
         if syncs and self.ddp is not None:  # a DDP model's reduction was held back
-            training.average(self.params[:self.shared], self.flags, self.ddp.process_group)
+            agree = self.agreement.all_max if self.agreement.active else None
+            if not training.average(self.params[:self.shared], self.flags,
+                                    self.ddp.process_group, agree):
+                log.warning("%s: out of memory allocating the buckets that average the "
+                            "gradients on some rank; averaged each gradient in place instead",
+                            self.cfg.name)
         self._remember()
         return total
 
