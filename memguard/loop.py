@@ -471,6 +471,13 @@ class Loop:
         """The error when this rank has no size left."""
         return exhausted(self.who, self.attempts)
 
+    def peer_gave_up(self) -> OutOfMemoryError:
+        """The error when another rank ran out of memory at its smallest size and this
+        rank's attempt did not."""
+        return exhausted(self.who, self.attempts,
+                         " (another rank ran out of memory at its smallest size; this rank "
+                         "did not run out itself)")
+
     # -- the loop --------------------------------------------------------------------------
     def __iter__(self) -> Iterator[AttemptBlock]:
         return self
@@ -559,8 +566,7 @@ class Loop:
         if worst == GAVE_UP:
             if seconds is not None:
                 self._record_peer(seconds)
-            raise exhausted(self.who, self.attempts,
-                            " (another rank ran out of memory at its smallest size)")
+            raise self.peer_gave_up()
         if worst == OK:
             self.tries = 0
             self.record_success(seconds or 0.0)

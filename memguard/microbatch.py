@@ -272,6 +272,13 @@ class _Step(Loop):
                 f"run and averages them itself once per step, which would skip the hook "
                 f"silently. Register no hook on a model auto_microbatch steps, or step it "
                 f"without auto_microbatch")
+        if self.ddp is not None and training.static_graph(self.ddp):
+            raise NotImplementedError(
+                f"auto_microbatch: {cfg.name}'s DDP model was built with static_graph=True; "
+                f"DDP's static graph expects its gradient reduction in every backward, and "
+                f"auto_microbatch holds it back while its slices run (torch aborts the "
+                f"process at the first out-of-memory). Build the model with "
+                f"DistributedDataParallel(..., static_graph=False) (the default)")
         world = torch_distributed.world() if self.ddp is not None else None
         if self.ddp is not None and self.agreement.active and world is not None \
                 and training.group_size(self.ddp) != world[1]:
@@ -282,9 +289,27 @@ class _Step(Loop):
         # FSDP2: every rank runs every all-gather, so all redo a failed pass, at one size
         self.fsdp = torch_fsdp.Sharding(cfg.model) if cfg.sharded else None
         self.watching = self.fsdp is not None and self.agreement.active
+        self.told: Optional[tuple[int, int]] = None  # an agreement already made at a check
+        self.most = self.samples  # the longest batch over the ranks (FSDP2: the same passes)
+        self.culprit: Optional[int] = None  # the lowest rank that failed, where known
+        self.stopped = False  # this rank's pass ended at a check point: a peer's failure
+        self.world = world[1] if world is not None else 1
         if self.watching:
             self.peers = "redo"
-        self.told: Optional[tuple[int, int]] = None  # an agreement already made at a check
+            self._share_lengths()
+
+    def _share_lengths(self) -> None:
+        """FSDP2 with several ranks: every rank must run as many passes, each with its
+        all-gathers, whatever its batch's length. The longest batch over the ranks and the
+        smallest remembered slice size decide the slice count everywhere; a shorter batch
+        is cut into as many slices (see :meth:`_bounds`)."""
+        world = torch_distributed.world()
+        self.world = world[1] if world is not None else 1
+        n = self.samples
+        size = self.size if self.size < n else NO_OPINION
+        most, negative = self.agreement.all_max([n, -size])
+        self.most = most
+        self.size = min(-negative, most)
 
     @classmethod
     def whole(cls, cfg: _Config, state: _State, batch: Any, plan: Plan,
@@ -360,7 +385,19 @@ class _Step(Loop):
         return step.run(wrapped, args, kwargs, resumed=True)
 
     def slices(self) -> int:
-        return math.ceil(self.samples / self.size)
+        return math.ceil(self.most / self.size)
+
+    def _bounds(self) -> list[tuple[int, int, bool]]:
+        """Each slice as ``(start, stop, stand_in)``: this rank's batch cut at the size, or,
+        where another rank's batch is longer (FSDP2), cut into as many slices as that one's,
+        no larger than the size; where this batch has fewer samples than slices, the last
+        ones are stand-ins: its first sample again, at weight 0, so that every rank joins
+        the same collectives and the gradients are unchanged."""
+        n, size, count = self.samples, self.size, self.slices()
+        if count * size - size < n:  # the usual cut gives as many slices
+            return [(start, min(n, start + size), False) for start in range(0, n, size)]
+        bounds = [(i * n // count, (i + 1) * n // count, False) for i in range(count)]
+        return [(a, b, False) if b > a else (0, 1, True) for a, b, _ in bounds]
 
     # -- FSDP2 -----------------------------------------------------------------------------
     def _sharding(self) -> ContextManager[None]:
@@ -388,19 +425,26 @@ class _Step(Loop):
         out-of-memory of its own; the outcome is kept for this pass's agreement, which then
         makes no second exchange."""
         if self.told is None:
-            values = self.agreement.all_max([OK, -NO_OPINION, *self.local_flags()])
+            values = self.agreement.all_max([OK, -NO_OPINION, *self._flags(False)])
             if values[0] == OK:
                 return
-            self.flags = values[2:]
+            self.flags = values[2:-1]
+            self.culprit = self.world - values[-1] if values[-1] else None
             self.told = (values[0], -values[1])
-        raise OutOfMemoryError(f"{self.cfg.name}: another rank ran out of memory (or failed) "
-                               f"in this pass; every rank redoes it")
+        who = "another rank" if self.culprit is None else f"rank {self.culprit}"
+        self.stopped = True
+        raise OutOfMemoryError(f"{self.cfg.name}: {who} ran out of memory (or failed) in "
+                               f"this pass; every rank redoes it")
 
     def _agree(self, status: int, proposal: int) -> tuple[int, int]:
         told, self.told = self.told, None
         if told is not None:  # exchanged at a check point during the pass
             return told
-        return super()._agree(status, proposal)
+        agreed = super()._agree(status, proposal)
+        if self.watching:  # the failing rank's mark, last
+            mark = self.flags.pop() if self.agreement.active else 0
+            self.culprit = self.world - mark if mark else None
+        return agreed
 
     # -- the call --------------------------------------------------------------------------
     def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, *,
@@ -434,21 +478,28 @@ class _Step(Loop):
             training.restore(self.params, self.entry)
             raise
         if syncs and self.ddp is not None:  # a DDP model's reduction was held back
-            training.average(self.params[:self.shared], self.flags, self.ddp.process_group)
+            agree = self.agreement.all_max if self.agreement.active else None
+            if not training.average(self.params[:self.shared], self.flags,
+                                    self.ddp.process_group, agree):
+                log.warning("%s: out of memory allocating the buckets that average the "
+                            "gradients on some rank; averaged each gradient in place instead",
+                            self.cfg.name)
         self._remember()
         return total
 
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
-        cfg, n, size = self.cfg, self.samples, self.size
-        if size >= n:
+        cfg, n = self.cfg, self.samples
+        self.stopped = False
+        if self.slices() == 1:
             return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None)
         total = None
         whole = self._weight_of(self.batch) if cfg.weight is not None else None
-        for start in range(0, n, size):
-            stop = min(n, start + size)
+        for start, stop, stand_in in self._bounds():
             piece = self.plan.cut(self.batch, start, stop)
-            if cfg.reduction == "sum":
+            if stand_in:
+                weight = 0.0
+            elif cfg.reduction == "sum":
                 weight = 1.0
             elif whole is not None:
                 weight = self._weight_of(piece) / whole
@@ -534,11 +585,20 @@ class _Step(Loop):
         return self.slices()
 
     def local_flags(self) -> list[int]:
-        if not self.syncs:
-            return []
-        shared = self.params[:self.shared]
-        entry = self.entry[:self.shared] if self.settled else [None] * len(shared)
-        return training.presence(shared, entry)
+        return self._flags(self.status != OK)
+
+    def _flags(self, failed: bool) -> list[int]:
+        """The gradients' presence under DDP; under FSDP2 with several ranks also, last, a
+        mark of this rank when ``failed`` (``world - rank``: the maximum names the lowest
+        failing rank)."""
+        flags: list[int] = []
+        if self.syncs:
+            shared = self.params[:self.shared]
+            entry = self.entry[:self.shared] if self.settled else [None] * len(shared)
+            flags = training.presence(shared, entry)
+        if self.watching:
+            flags.append(self.world - self.agreement.rank if failed else 0)
+        return flags
 
     def propose(self, estimate: Optional[int]) -> Optional[int]:
         if self.fallback is not None:  # a larger size tried after clean steps: step back
@@ -565,8 +625,25 @@ class _Step(Loop):
             training.reset_scaler(self.cfg.scaler)
         return free_memory()
 
+    def peer_gave_up(self) -> OutOfMemoryError:
+        if self.culprit is not None:
+            return self._peer_error()
+        return super().peer_gave_up()
+
     def out_of_sizes(self) -> OutOfMemoryError:
+        if self.stopped and self.culprit is not None:
+            return self._peer_error()
         return exhausted(self.cfg.name, self.attempts, f" for a batch of {self.samples}")
+
+    def _peer_error(self) -> OutOfMemoryError:
+        """A peer ran out at its smallest size, this rank did not (FSDP2: the failing rank
+        is named)."""
+        return OutOfMemoryError(
+            f"{self.cfg.name}: rank {self.culprit} ran out of memory at "
+            f"microbatch_size={self.size}, the smallest allowed; this rank (rank "
+            f"{self.agreement.rank}) did not run out itself: it stopped or ended its pass "
+            f"before FSDP's next collective, as every rank does. See rank {self.culprit}'s log "
+            f"for its memory; lower min_batch_size or free memory there", self.attempts)
 
     def _remember(self) -> None:
         failed = any(not a.ok for a in self.attempts)

@@ -198,3 +198,118 @@ def test_a_ddp_communication_hook_is_refused_by_name(python_in_subprocess):
         print(json.dumps({{"error": error}}))
     """)
     assert out["error"] and "communication hook registered (fp16_compress_hook)" in out["error"]
+
+
+def test_a_builtin_comm_hook_and_a_static_graph_are_refused_by_name(python_in_subprocess):
+    # a built-in C++ hook leaves no Python hook to see, and DDP's static graph asserts inside
+    # torch (then aborts at an out-of-memory) once its reduction is held back: both refused
+    # at the first call, by name, before any pass runs
+    out = python_in_subprocess(f"""
+        import json, os
+        import torch, torch.distributed as dist
+        import memguard
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        errors = {{}}
+        for name in ("builtin", "static"):
+            model = DDP(torch.nn.Linear(4, 1), static_graph=name == "static")
+            if name == "builtin":
+                model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+            step = memguard.auto_microbatch(model)(lambda b: model(b).sum())
+            try:
+                step(torch.ones(8, 4))
+                errors[name] = None
+            except NotImplementedError as err:
+                errors[name] = str(err)
+            errors[name + "_grad"] = model.module.weight.grad is None
+        dist.destroy_process_group()
+        print(json.dumps(errors))
+    """)
+    assert "communication hook registered (BuiltinCommHookType.FP16_COMPRESS)" in \
+        out["builtin"], out
+    assert "static_graph=True" in out["static"] and "static_graph=False" in out["static"], out
+    assert out["builtin_grad"] and out["static_grad"]  # refused before any backward
+
+
+AVERAGING_MODEL = """
+import torch
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(16)))
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+"""
+
+AVERAGING = AVERAGING_MODEL + """
+import logging, resource
+import torch.distributed as dist
+import torch.nn.functional as F
+import memguard
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+HOG, EAT = [], [False]
+
+def eat(grad):
+    # on the first layer's weight, the last gradient backward computes: takes the address
+    # space left but 2 MiB, so that the 4 MiB bucket that averages the gradients cannot be
+    # allocated after backward
+    if EAT[0]:
+        left = resource.getrlimit(resource.RLIMIT_AS)[0] - vm_size()
+        HOG.append(torch.ones((left - (2 << 20)) // 4))
+
+net = make_model()
+net[0].weight.register_hook(eat)
+model = DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("memguard").addHandler(handler)
+
+@memguard.auto_microbatch(model)
+def loss_of(b):
+    return F.mse_loss(model(b[0]), b[1])
+
+for step in range(3):
+    EAT[0] = rank == 1 and step == 1
+    if EAT[0]:
+        memguard.free_memory()
+        set_budget(64)
+    loss_of(batch(step, rank))
+    HOG.clear()
+    lift_budget()
+    opt.step()
+    opt.zero_grad()
+weights = [p.detach().tolist() for p in net.parameters()]
+dist.destroy_process_group()
+finish({"rank": rank, "weights": weights,
+        "warnings": [r.getMessage() for r in records if r.levelname == "WARNING"]})
+"""
+
+
+def test_an_oom_allocating_the_averaging_buckets_falls_back_to_in_place_on_every_rank():
+    # the bucket that averages the gradients is allocated after backward, every step: an
+    # out-of-memory there on one rank is agreed on before any collective, and every rank
+    # reduces each gradient in place instead (nothing allocated), weights still exact
+    outputs = run_ranks(AVERAGING, world=2, timeout=60)
+    assert outputs[0]["weights"] == outputs[1]["weights"]
+    namespace: dict = {}
+    exec(AVERAGING_MODEL, namespace)
+    model = namespace["make_model"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        parts = [namespace["batch"](step, rank) for rank in range(2)]
+        F.mse_loss(model(torch.cat([p[0] for p in parts])),
+                   torch.cat([p[1] for p in parts])).backward()
+        opt.step()
+        opt.zero_grad()
+    for got, want in zip(outputs[0]["weights"], model.parameters(), strict=True):
+        assert (torch.tensor(got) - want.detach()).abs().max().item() < 1e-5
+    for out in outputs:  # every rank took the in-place path and says so
+        assert any("averaged each gradient in place" in w for w in out["warnings"]), out

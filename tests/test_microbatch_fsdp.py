@@ -261,3 +261,85 @@ def test_an_oom_in_the_one_reduce_scatter_still_hangs():
     # retry), and rank 0 waits in the reduce-scatter
     # (the same step without the failure ends in well under a second once the ranks meet)
     assert 0 in ranks_left_waiting(REDUCE_GAP, world=2)
+
+
+UNEVEN = MODEL + """
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import memguard
+torch.set_num_threads(1)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+model = make_model()
+for layer in model.layers:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+@memguard.auto_microbatch(model)
+def loss_of(b):
+    return F.mse_loss(model(b[0]), b[1])
+
+memguard.oom_retry(batch_size=1)(lambda batch_size: batch_size)()  # warm up
+sizes, passes = [], []
+for step, length in enumerate(LENGTHS[rank]):
+    model.layers[1].where = "forward"  # more than 16 samples fail, on either rank
+    x, y = batch(step, rank)
+    loss_of.reset()
+    loss_of((x[:length], y[:length]))
+    sizes.append([a.size for a in loss_of.history])
+    passes.append(loss_of.history[-1].steps)
+    opt.step()
+    opt.zero_grad()
+model.layers[1].where = None
+weights = [p.full_tensor().tolist() for p in model.parameters()]
+
+# at min_batch_size: rank 1 runs out in backward, rank 0 does not
+model.layers[0].where = "backward" if rank == 1 else None
+smallest = memguard.auto_microbatch(model, min_batch_size=32)(
+    lambda b: F.mse_loss(model(b[0]), b[1]))
+try:
+    smallest(batch(9, rank))
+    error = None
+except memguard.OutOfMemoryError as err:
+    error = str(err)
+dist.destroy_process_group()
+finish({"rank": rank, "sizes": sizes, "passes": passes, "weights": weights, "error": error})
+"""
+LENGTHS = [[32, 32, 12], [12, 1, 32]]  # per rank, per step: 32 vs 12, 32 vs 1, 12 vs 32
+
+
+def test_batches_of_different_lengths_run_the_same_passes_and_name_the_rank_that_ran_out():
+    outputs = run_ranks(UNEVEN.replace("LENGTHS[rank]", f"{LENGTHS}[rank]"), world=2,
+                        timeout=60)
+    # the rank with 32 samples runs out: both ranks redo the step in the same number of
+    # passes, the shorter batch cut as many times (stand-ins where it has too few samples)
+    for out in outputs:
+        assert out["sizes"] == [[32, 16], [32, 16], [32, 16]], out
+        assert out["passes"] == [2, 2, 2], out
+    # the weights are plain FSDP's: the mean over the ranks of each rank's mean loss
+    namespace: dict = {}
+    exec(MODEL, namespace)
+    try:
+        model = namespace["make_model"]()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            losses = []
+            for rank in range(2):
+                x, y = namespace["batch"](step, rank)
+                n = LENGTHS[rank][step]
+                losses.append(F.mse_loss(model(x[:n]), y[:n]))
+            (sum(losses) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        expected = [p.detach() for p in model.parameters()]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for out in outputs:
+        for got, want in zip(out["weights"], expected, strict=True):
+            assert (torch.tensor(got, dtype=torch.float64) - want).abs().max().item() < 1e-6
+    # at min_batch_size the healthy rank's error names the rank that ran out
+    assert "rank 1 ran out of memory at microbatch_size=32" in outputs[0]["error"], \
+        outputs[0]["error"]
+    assert "did not run out itself" in outputs[0]["error"]
+    assert "out of memory at every microbatch_size tried" in outputs[1]["error"], outputs

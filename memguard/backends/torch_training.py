@@ -15,9 +15,10 @@ import contextlib
 import operator
 import weakref
 from contextvars import ContextVar
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from .._locks import ForkSafeLock
+from ..errors import oom_kind
 from .torch import module_tree
 
 BUCKET_BYTES = 25 << 20  # DDP's default bucket size: the most the averaging concatenates
@@ -439,7 +440,20 @@ def comm_hooks(ddp: Any) -> list[str]:
     model with ``register_comm_hook`` (fp16 compression, PowerSGD...); empty for none or for
     ``None``."""
     hooks = getattr(ddp, "_comm_hooks", None) or []  # where DDP keeps them
-    return [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
+    names = [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
+    if names or ddp is None:
+        return names
+    # a built-in C++ hook (``_register_builtin_comm_hook``) leaves no Python object: DDP's
+    # logger records its name, as it does for every hook
+    logged = getattr(ddp, "_get_ddp_logging_data", None)
+    name = logged().get("comm_hook") if callable(logged) else None
+    return [str(name)] if name else []
+
+
+def static_graph(ddp: Any) -> bool:
+    """Whether a ``DistributedDataParallel`` model was built with ``static_graph=True`` (or
+    ``_set_static_graph()``)."""
+    return bool(getattr(ddp, "static_graph", False))
 
 
 def group_size(ddp: Any) -> int:
@@ -486,10 +500,18 @@ def presence(params: list[Any], saved: list[Any]) -> list[int]:
             for p, old in zip(params, saved, strict=True)]
 
 
-def average(params: list[Any], present: list[int], group: Any) -> None:
+def average(params: list[Any], present: list[int], group: Any,
+            agree: Optional[Callable[[list[int]], list[int]]] = None) -> bool:
     """Average the gradients over ``group`` as DDP would: a parameter that has a gradient on
     some rank gets one on every rank (zeros where it had none); one that has none anywhere
     keeps none. Gradients travel in buckets of at most ``BUCKET_BYTES``, by device and dtype.
+
+    The buckets are allocated before any collective; with ``agree`` (a max over the ranks,
+    on a group that does not allocate where memory ran out) the ranks then agree on whether
+    every rank could allocate them, and where one could not, every rank reduces each
+    gradient in place instead (no allocation; one collective per parameter), so an
+    out-of-memory there leaves no rank in an unmatched collective. Returns whether the
+    buckets served.
     """
     import torch
     import torch.distributed as dist
@@ -516,12 +538,28 @@ def average(params: list[Any], present: list[int], group: Any) -> None:
                 filled[key] = 0
             chain[-1].append(grad)
             filled[key] = filled.get(key, 0) + size
-        for chain in buckets.values():
-            for bucket in chain:
-                flat = torch.cat([g.reshape(-1) for g in bucket])
-                flat.div_(world)
-                dist.all_reduce(flat, group=group)
-                offset = 0
-                for g in bucket:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+        bucketed = [bucket for chain in buckets.values() for bucket in chain]
+        flats: list[Any] = []
+        failed = False
+        try:
+            flats.extend(torch.cat([g.reshape(-1) for g in bucket]) for bucket in bucketed)
+        except Exception as exc:
+            if agree is None or oom_kind(exc) is None:
+                raise
+            failed = True  # decided inside except; the buckets are dropped outside it
+        if failed:
+            flats.clear()
+        if agree is not None and agree([int(failed)])[0]:
+            flats.clear()
+            for grad in grads:  # in place: nothing allocated
+                grad.div_(world)
+                dist.all_reduce(grad, group=group)
+            return False
+        for bucket, flat in zip(bucketed, flats, strict=True):
+            flat.div_(world)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return True
