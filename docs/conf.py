@@ -34,9 +34,9 @@ extensions = [
 autodoc_default_options = {"members": True}
 nitpick_ignore_regex = [
     # third-party and standard-library types (no intersphinx without a network)
-    ("py:(class|obj|exc|data)", r"(torch|tensorflow|keras|transformers|pytorch_lightning|"
-                                r"lightning|numpy|matplotlib|wrapt|psutil|pytest|_pytest|os)"
-                                r"(\..*)?"),
+    ("py:(class|obj|exc|data)", (r"(torch|tensorflow|keras|transformers|pytorch_lightning|"
+                                 r"lightning|numpy|matplotlib|wrapt|psutil|pytest|_pytest|os)"
+                                 r"(\..*)?")),
     # type variables of the generic signatures (F, R, T, P...): placeholders, not types
     ("py:class", r"~?(memguard\.\w+\.)?(F|R|R_co|T|P)"),
 ]

@@ -20,4 +20,5 @@ auto_microbatch(trainer)                                  # the one added line
 
 with memguard.memory_limit("150MiB", device="host"):     # rehearse a smaller device
     trainer.train()
-print(f"{trainer.state.global_step} steps of 128, in slices of {trainer.training_step.microbatch_size}")
+size = trainer.training_step.microbatch_size
+print(f"{trainer.state.global_step} steps of 128, in slices of {size}")

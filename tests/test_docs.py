@@ -242,3 +242,18 @@ def test_the_quickstart_scripts_print_what_the_page_quotes(script):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "retrying at microbatch_size" in run.stderr, "the script never ran out of memory"
     assert run.stdout.strip() == quoted_output("quickstart.rst", script), run.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_quickstart_example_prints_a_leaky_step_with_and_without_frees_memory():
+    """examples/quickstart.py runs the same leaky step 20 times plain, then 20 times under
+    ``@frees_memory``, and prints both growths: the plain run keeps every step's cycle
+    (8 MiB of input each), the guarded one does not."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    grew = dict(re.findall(r"(without|with) @frees_memory: +\+(\S+ \S+) in use", run.stdout))
+    assert set(grew) == {"without", "with"}, run.stdout
+    plain, guarded = (memguard.parse_size(grew[k].replace(" ", "")) for k in ("without", "with"))
+    assert plain > 100 << 20 and guarded < plain / 4, (plain, guarded)
