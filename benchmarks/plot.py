@@ -4,7 +4,7 @@
 (those of the latest full run, as the documentation quotes them) into
 ``docs/_static/benchmarks.png``. ``python benchmarks/plot.py benchmarks/results.json`` draws a
 run of ``python -m benchmarks`` instead: every result that has a peer, as memguard's figure
-over the peer's. ``--output`` names another file. Needs matplotlib (``memguard[plot]``).
+over the peer's. ``--output`` names another file. Needs matplotlib (``memguard-ml[plot]``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def parse_size(value: Size, name: str = "size") -> int:
     string with a unit: binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``, or the short
     ``K``/``M``/``G``/``T``), decimal units (``kB``, ``MB``, ``GB``, ``TB``) or ``B``. Units
     are case-insensitive. A wrong type is a ``TypeError``, an unreadable, negative or
-    impossibly large value (over :data:`MAX_SIZE`) a ``ValueError``; both name ``name`` and
+    impossibly large value (over ``MAX_SIZE``) a ``ValueError``; both name ``name`` and
     the value.
 
     Args:

@@ -238,6 +238,10 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
         f"{SAMPLES} samples, starting at batch_size={START_BATCH} (too big on purpose)")
+    if flavour.limit_device == "host":
+        say(f"  (the budget counts address space above the program's size now; the host peak "
+            f"reported below is resident memory of the whole process, so it can exceed "
+            f"{format_bytes(budget)})")
     flavour.step(0, 64)  # warm up: kernels, thread pools and their arenas exist from here on
     scopes: list[MemoryScope] = []
     epoch_number, attempted = [0], [START_BATCH]
@@ -315,7 +319,33 @@ def timeline(result: DemoRun) -> Any:
     """
     title = (f"memguard demo: {result.framework} on {result.device}, "
              f"memory_limit {format_bytes(result.budget)}")
-    return result.monitor.figure(title=title, lines=result.lines, marks=result.marks)
+    figure = result.monitor.figure(title=title, lines=result.lines, marks=result.marks)
+    _highlight_oom(figure, result)
+    return figure
+
+
+OOM_MARK = "out of memory"
+
+
+def _highlight_oom(figure: Any, result: DemoRun) -> None:
+    """Draw each out-of-memory apart from the other marks: a red line across every panel and
+    a red label at the top, where the grey lines of the other marks carry numbers only."""
+    start = result.monitor.started or min((t for t, _ in result.marks), default=0.0)
+    times = [t - start for t, label in result.marks if label.startswith(OOM_MARK)]
+    if not times or not figure.axes:
+        return
+    from matplotlib.collections import LineCollection
+
+    for ax in figure.axes:  # a collection, not lines: the panels' lines stay the data's
+        ax.add_collection(LineCollection(
+            [[(x, 0), (x, 1)] for x in times], colors="tab:red", linewidths=1.8, alpha=0.85,
+            transform=ax.get_xaxis_transform(), zorder=3, label=OOM_MARK), autolim=False)
+    top = figure.axes[0]
+    for x in times:
+        label = top.annotate(f"\u25bc {OOM_MARK}", xy=(x, 1), xycoords=top.get_xaxis_transform(),
+                             xytext=(3, 2), textcoords="offset points", color="tab:red",
+                             fontsize=8, fontweight="bold", ha="left", va="bottom")
+        label.set_in_layout(False)
 
 
 def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]:

@@ -264,8 +264,8 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
     flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's allocator
     hands out, at a cost kept to about 0.1% of the time spent in blocks: a check (microseconds)
     runs at the exit of a block once the blocks since the previous check have run 1,000 times as
-    long as that check took (:data:`CHECK_SHARE`: so every block of more than ~13 ms, every few
-    shorter ones, and always within :data:`MAX_GAP` seconds of blocks), and on the first block
+    long as that check took (``CHECK_SHARE``: so every block of more than ~13 ms, every few
+    shorter ones, and always within ``MAX_GAP`` seconds of blocks), and on the first block
     and the first after a full collection memguard ran (:func:`memguard.free_memory`, a scope's
     cleanup), against its own entry too. It compares with the lower of the level the previous
     check left and, where the check was due on entry, the block's entry; where a device is more

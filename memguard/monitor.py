@@ -327,7 +327,7 @@ class MemoryMonitor:
             from matplotlib.figure import Figure
             from matplotlib.transforms import offset_copy
         except ImportError as exc:
-            raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
+            raise ImportError('MemoryMonitor.plot needs matplotlib: pip install "memguard-ml[plot]"'
                               ) from exc
         series = self.series()
         space = self.address_space()
@@ -413,7 +413,7 @@ class MemoryMonitor:
         """Write the timeline of :meth:`figure` as a PNG: allocated and reserved memory per
         device over time, the virtual size against a soft ``RLIMIT_AS`` while one was in
         force, marks as lines, a bounded number of them numbered and listed beside the plot.
-        Needs matplotlib (``pip install "memguard[plot]"``).
+        Needs matplotlib (``pip install "memguard-ml[plot]"``).
 
         Args:
             path: the PNG file to write (its folder must exist).

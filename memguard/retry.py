@@ -345,7 +345,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
         cache: ``True``: start later calls of this process at the size that worked for the
             same start; ``False``: always start at the start size; a file path: also keep
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
-            keyed by the function's code (:func:`memguard.sizefile.code_identity`), the start
+            keyed by the function's code (``memguard.sizefile.code_identity``), the start
             size, ``factor`` and the device (written atomically under a lock; a file that is
             not memguard's is never written, a warning says why); ``reset()`` forgets this
             function's entries for this device there too.

@@ -126,7 +126,7 @@ def _census_needed(limit: Optional[int]) -> bool:
 def _beyond(kept: dict[str, int], limit: int,
             created: Callable[[], list[TensorInfo]]) -> dict[str, int]:
     """The devices that kept more than ``limit``: on the allocators' figures where they
-    can tell (the limit or the growth at least :data:`MIN_LEAK`), else on the bytes of the
+    can tell (the limit or the growth at least ``MIN_LEAK``), else on the bytes of the
     tensors ``created()`` lists (called only then)."""
     over = {d: n for d, n in kept.items() if n > limit}
     unsure = [d for d, n in over.items() if n <= MIN_LEAK] if limit < MIN_LEAK else []
@@ -280,7 +280,7 @@ class MemoryScope:
 
     def _created(self) -> list[TensorInfo]:
         """The tensors created in the block and still alive (the census a verdict under a
-        ``max_leak`` below :data:`MIN_LEAK` rests on), kept in ``leaks``."""
+        ``max_leak`` below ``MIN_LEAK`` rests on), kept in ``leaks``."""
         if self._census:
             self._census = False
             if not self.track_tensors:  # with it, _finish took the census
@@ -404,7 +404,7 @@ def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup 
     ``reserved_growth`` reports beside it. With ``max_leak`` (bytes or a string such as
     ``"64MiB"``) it raises :class:`MemoryLeakError` when a device retained more (after a full
     collection, whatever the policy), unless the block itself raised; under a ``max_leak``
-    below :data:`MIN_LEAK` (64 KiB) a growth of at most 64 KiB, where a block that keeps
+    below ``MIN_LEAK`` (64 KiB) a growth of at most 64 KiB, where a block that keeps
     nothing still moves the allocators' figures, is judged by the tensors created in the
     block and still alive (a census on entry and exit). With
     ``track_tensors=True`` it records the live tensors on entry and, after cleanup, lists in
@@ -626,7 +626,7 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     ``every > 1``, checked on the calls that clean up), on what the allocators hand out
     (``allocated``; glibc's in-use bytes on the host), never on the resident set; before
     raising it collects in full, so a collection the policy skipped never decides a verdict;
-    a ``max_leak`` below :data:`MIN_LEAK` is judged as ``memory_scope`` judges it.
+    a ``max_leak`` below ``MIN_LEAK`` is judged as ``memory_scope`` judges it.
     The first ``warmup`` calls (default 1) clean up but are not judged: a training step's
     first call creates what every later one reuses (optimizer moments,
     autograd's and the kernels' one-time state); ``warmup=0`` judges from the first call.

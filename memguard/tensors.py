@@ -256,9 +256,9 @@ class TensorInfo:
 
     @property
     def held_by(self) -> str:
-        """How the tensor is kept, in words: ``held by module __main__, global CACHE[0]``,
+        """The tensor's holder, said in words (``held by module __main__, global CACHE[0]``,
         ``saved by the graph of float32[] held by module __main__, global losses[2]``, or
-        ``holder not found``."""
+        ``holder not found``)."""
         holders = self.holders
         if holders:
             return f"held by {holders[0]}"

@@ -150,7 +150,12 @@ DEMO_TIMELINE = """
     listing = figure.texts[-1].get_text().splitlines()[1:]
     print(json.dumps({"ok": result.ok, "title": figure.get_suptitle(), "panels": panels,
                       "numbers": len(numbers), "overlaps": overlaps, "listing": listing,
-                      "marks": [label for _, label in result.monitor.marks]}))
+                      "marks": [label for _, label in result.monitor.marks],
+                      "oom_labels": [t.get_text() for t in figure.axes[0].texts
+                                     if t.get_color() == "tab:red"],
+                      "oom_lines": [len(c.get_segments()) for ax in figure.axes
+                                    for c in ax.collections if c.get_label() == "out of memory"],
+                      "said": said}))
 """
 
 
@@ -160,6 +165,12 @@ def test_the_demo_timeline_draws_the_budget_it_sets_and_marks_in_true_order(
     out = python_in_subprocess(DEMO_TIMELINE, timeout=300)
     assert out["ok"]
     assert out["title"] == "memguard demo: torch on cpu, memory_limit 768.0 MiB"
+    # The out-of-memory stands out from the other marks: a red line in every panel and a red
+    # label; and the demo says what its budget counts.
+    ooms = sum(label.startswith("out of memory") for label in out["marks"])
+    assert ooms >= 1 and out["oom_labels"] == ["\u25bc out of memory"] * ooms
+    assert out["oom_lines"] == [ooms] * len(out["panels"])
+    assert "counts address space" in out["said"][1] and "can exceed" in out["said"][1]
     # The budget limits address space: drawn against the virtual size, not the resident set.
     assert set(out["panels"]) == {"host (MiB)", "host address space (MiB)"}
     assert set(out["panels"]["host (MiB)"]) == {"allocated", "reserved"}

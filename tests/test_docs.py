@@ -27,9 +27,12 @@ def read(*path: str) -> str:
 
 
 def documented_in_api_rst() -> set[str]:
-    """The names that docs/api.rst hands to autodoc under ``memguard.``."""
-    return set(re.findall(r"^\.\. auto(?:function|class|exception|data)::\s+memguard\.(\w+)\s*$",
-                          read("docs", "api.rst"), re.MULTILINE))
+    """The names that the reference (docs/api.rst and its pages in docs/reference/) hands to
+    autodoc under ``memguard.``."""
+    pages = [read("docs", "api.rst")] + [read("docs", "reference", name) for name in
+                                         sorted(os.listdir(os.path.join(DOCS, "reference")))]
+    return set(re.findall(r"^\.\. auto(?:function|class|exception|data)::\s+memguard\.(\w+)"
+                          r"(?:\(\))?\s*$", "\n".join(pages), re.MULTILINE))
 
 
 def inventory(path: str) -> dict[str, str]:
@@ -229,3 +232,48 @@ def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
     out = plot.draw(panels, source, str(tmp_path / "benchmarks.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def quoted_output(page: str, script: str) -> str:
+    """What ``docs/<page>`` says ``script`` prints: the first ``text`` block after the page's
+    ``literalinclude`` of it, unindented."""
+    text = read("docs", page)
+    after = text.split(f".. literalinclude:: ../examples/{script}", 1)[1]
+    block = after.split(".. code-block:: text\n\n", 1)[1]
+    lines = []
+    for line in block.splitlines():
+        if line and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    return "\n".join(lines).strip()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["survive_hf.py", "survive_lightning.py", "survive_loop.py"])
+def test_the_quickstart_scripts_print_what_the_page_quotes(script):
+    """Each quickstart script, included in the page as it is, runs out of memory under its host
+    budget, recovers, and prints exactly the output the page quotes; every script is a complete
+    program of at most 30 lines."""
+    path = os.path.join(ROOT, "examples", script)
+    assert len(read("examples", script).splitlines()) <= 30
+    run = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error",
+                                            PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "retrying at microbatch_size" in run.stderr, "the script never ran out of memory"
+    assert run.stdout.strip() == quoted_output("quickstart.rst", script), run.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_quickstart_example_prints_a_leaky_step_with_and_without_frees_memory():
+    """examples/quickstart.py runs the same leaky step 20 times plain, then 20 times under
+    ``@frees_memory``, and prints both growths: the plain run keeps every step's cycle
+    (8 MiB of input each), the guarded one does not."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    grew = dict(re.findall(r"(without|with) @frees_memory: +\+(\S+ \S+) in use", run.stdout))
+    assert set(grew) == {"without", "with"}, run.stdout
+    plain, guarded = (memguard.parse_size(grew[k].replace(" ", "")) for k in ("without", "with"))
+    assert plain > 100 << 20 and guarded < plain / 4, (plain, guarded)

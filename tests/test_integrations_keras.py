@@ -99,7 +99,7 @@ def test_without_keras_the_import_error_names_the_package():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout
-    assert 'pip install "memguard[keras]"' in out
+    assert 'pip install "memguard-ml[keras]"' in out
 
 
 def test_a_budgeted_fit_on_numpy_arrays_recovers_with_the_callback(python_in_subprocess):

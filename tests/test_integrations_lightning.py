@@ -195,7 +195,7 @@ def test_without_lightning_the_import_error_names_the_package():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout
-    assert 'pip install "memguard[lightning]"' in out and "pytorch-lightning" in out
+    assert 'pip install "memguard-ml[lightning]"' in out and "pytorch-lightning" in out
 
 
 @pytest.mark.slow

@@ -128,7 +128,7 @@ def test_without_transformers_the_import_error_names_the_package():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout
-    assert 'pip install "memguard[transformers]"' in out
+    assert 'pip install "memguard-ml[transformers]"' in out
 
 
 @pytest.mark.slow

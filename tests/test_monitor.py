@@ -222,7 +222,7 @@ def test_plot_without_matplotlib_names_the_extra(python_in_subprocess):
         except ImportError as exc:
             print(json.dumps(str(exc)))
     """)
-    assert out == 'MemoryMonitor.plot needs matplotlib: pip install "memguard[plot]"'
+    assert out == 'MemoryMonitor.plot needs matplotlib: pip install "memguard-ml[plot]"'
 
 
 def test_tensorboard_through_torch_summary_writer(tmp_path):

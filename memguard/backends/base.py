@@ -121,8 +121,8 @@ class Backend(abc.ABC):
     hold_tolerance: int = 1 << 20
     reserve_tolerance: int = 64 << 20
     level_field: LevelField = "allocated"
-    """The figure a device's peak counter follows and its memory budgets count: ``allocated``
-    on devices, ``reserved`` (the resident set) on the host."""
+    """The figure a device's peak counter follows and its memory budgets count, ``allocated``
+    on devices and ``reserved`` (the resident set) on the host."""
 
     @staticmethod
     def in_use(reading: Reading) -> Optional[int]:

@@ -72,7 +72,7 @@ class Budget:
 
     @property
     def measure(self) -> str:
-        """What the limit counts: address space, cgroup memory, device memory..."""
+        """The kind of memory the limit counts (address space, cgroup memory, device memory...)."""
         return MEASURES.get(self.kind, "memory")
 
     def to_dict(self) -> dict[str, Any]:

@@ -296,7 +296,7 @@ def _unknown(value: Any) -> str:
 def missing(package: str, extra: str, what: str) -> ImportError:
     """The ``ImportError`` of an integration whose framework is not installed."""
     return ImportError(f"memguard.integrations.{extra} needs {what}, which is not installed: "
-                       f'pip install "memguard[{extra}]" (or pip install {package})')
+                       f'pip install "memguard-ml[{extra}]" (or pip install {package})')
 
 
 # -- what a split step's slices are weighted by ------------------------------------------------

@@ -1,4 +1,4 @@
-"""``MemguardCallback`` for Keras ``fit`` (``pip install "memguard[keras]"``).
+"""``MemguardCallback`` for Keras ``fit`` (``pip install "memguard-ml[keras]"``).
 
 >>> import keras                                                     # doctest: +SKIP
 >>> from memguard.integrations.keras import MemguardCallback         # doctest: +SKIP

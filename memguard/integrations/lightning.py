@@ -1,4 +1,4 @@
-"""``MemguardCallback`` for PyTorch Lightning (``pip install "memguard[lightning]"``).
+"""``MemguardCallback`` for PyTorch Lightning (``pip install "memguard-ml[lightning]"``).
 
 >>> import pytorch_lightning as pl                                      # doctest: +SKIP
 >>> from memguard.integrations.lightning import MemguardCallback        # doctest: +SKIP
@@ -28,7 +28,7 @@ from ..loop import Attempt
 from ..microbatch import auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
-try:  # the standalone package first: it is what memguard[lightning] installs
+try:  # the standalone package first: it is what memguard-ml[lightning] installs
     import pytorch_lightning as _pl
 except ImportError:
     try:

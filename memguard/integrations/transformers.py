@@ -1,5 +1,5 @@
 """``MemguardCallback`` and ``auto_microbatch`` for the Hugging Face ``Trainer`` (``pip install
-"memguard[transformers]"``).
+"memguard-ml[transformers]"``).
 
 >>> from transformers import Trainer                                        # doctest: +SKIP
 >>> from memguard.integrations import transformers as mg                  # doctest: +SKIP
