@@ -105,8 +105,9 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     @property
     def history(self) -> list[Attempt]: ...
 
-    def reset(self) -> None:
-        """Forget the microbatch size and the last call's attempts."""
+    def reset(self, microbatch_size: Optional[int] = None) -> None:
+        """Forget the microbatch size and the last call's attempts; with ``microbatch_size``,
+        start from that slice size instead (one learned before, kept with a checkpoint)."""
 
 
 class _Config:
@@ -183,6 +184,15 @@ class _State(GuardState):
         self.microbatch_size: Optional[int] = None
         self.clean_steps = 0
 
+    def reset(self, microbatch_size: Optional[int] = None) -> None:
+        """Forget the size that fitted and the last call's attempts; with
+        ``microbatch_size`` (a positive int), start from that slice size."""
+        if microbatch_size is not None:
+            optional_positive_int(microbatch_size, "microbatch_size", who="reset")
+        super().reset()
+        with self.lock:
+            self.microbatch_size = microbatch_size
+
 
 _MODELS_LOCK = ForkSafeLock()
 # by the model's id (a module need not be hashable); an entry lives while a step function
@@ -192,14 +202,23 @@ _MODEL_LOCKS: "weakref.WeakValueDictionary[int, ForkSafeLock]" = weakref.WeakVal
 
 def _model_lock(model: Any) -> ForkSafeLock:
     """The lock that serialises ``auto_microbatch`` calls on ``model`` (every step function
-    decorated for it, and for the module a ``DistributedDataParallel`` wraps), re-entrant for
-    a step called inside another on the same thread."""
+    decorated for it, for the module a ``DistributedDataParallel`` wraps, and for any model
+    that shares a parameter with it: two models holding one submodule, stepped from two
+    threads, add their gradients up one step at a time), re-entrant for a step called inside
+    another on the same thread."""
     ddp = training.ddp_of(model)
     key = ddp.module if ddp is not None else model
+    params = training.parameters(key)
     with _MODELS_LOCK:
         lock = _MODEL_LOCKS.get(id(key))
         if lock is None:
-            lock = _MODEL_LOCKS[id(key)] = ForkSafeLock(reentrant=True)
+            lock = next((found for p in params
+                         if (found := _MODEL_LOCKS.get(-id(p))) is not None), None)
+        if lock is None:
+            lock = ForkSafeLock(reentrant=True)
+        _MODEL_LOCKS[id(key)] = lock
+        for p in params:  # by the parameter's id, negated: apart from the models' ids
+            _MODEL_LOCKS.setdefault(-id(p), lock)
         return lock
 
 
@@ -297,7 +316,7 @@ class _Step(Loop):
         buffers = None
         try:
             if walked.slots:
-                buffers = training.Buffers(walked.slots)
+                buffers = training.Buffers(walked.slots, walked.movers, cfg.name)
                 started = time.perf_counter()
             token = enter_attempt(state, gave_up)
             try:
@@ -319,21 +338,33 @@ class _Step(Loop):
                 training.restore(params, entry)
                 state.history = []
                 raise
-            step = cls.__new__(cls)
-            step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
-                          (list(params), walked.slots, set(known), shared))
-            step.entry, step.buffers = entry, buffers
-            step._start(step.samples)  # noqa: SLF001 - its own class's
-            step.gauge, step.gave_up, step.started = gauge, gave_up, started
-            # recorded, frames dropped, the next size proposed
-            if not step._exit(exc):  # noqa: SLF001 - its own class's
+            own: Optional[BaseException] = None  # memguard's own error while recovering
+            try:
+                step = cls.__new__(cls)
+                step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
+                              (list(params), walked.slots, set(known), shared))
+                step.entry, step.buffers = entry, buffers
+                step._start(step.samples)  # noqa: SLF001 - its own class's
+                step.gauge, step.gave_up, step.started = gauge, gave_up, started
+                # recorded, frames dropped, the next size proposed (a factor that returns
+                # an invalid size raises here)
+                resumes = step._exit(exc)  # noqa: SLF001 - its own class's
+            except BaseException as error:  # noqa: BLE001 - raised below, after the restore
+                resumes, own = False, error
+            if not resumes:  # the entry gradients and buffers as they were, then the error
                 training.restore(params, entry)
+                if buffers is not None:
+                    buffers.load()
                 state.history = []
+                if own is not None:
+                    raise own from exc
                 raise
         else:
             seconds = time.perf_counter() - started
             if entry.count(None) != len(entry):  # gradients held on entry: add them
                 training.merge(params, entry)
+            if buffers is not None and buffers.watched:
+                buffers.learn()
             state.last = (plan.length or 0, seconds)  # the history, made when asked for
             state.clean_steps += 1
             return total
@@ -396,7 +427,9 @@ class _Step(Loop):
             with training.local_gradients(self.ddp) as syncs, self._sharding():
                 self.syncs = syncs
                 if not resumed:
-                    self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
+                    # after DDP's broadcast
+                    self.buffers = training.Buffers(self.slots, self.cfg.walked.movers,
+                                                    self.cfg.name)
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
@@ -405,6 +438,8 @@ class _Step(Loop):
                 if fsdp.syncs:  # held back during the passes: once, now, on every rank
                     fsdp.reduce()
             training.merge(self.params, self.entry)
+            if self.buffers is not None:
+                self.buffers.learn()
         except BaseException:
             if fsdp is not None:
                 fsdp.reset()
@@ -537,7 +572,11 @@ def _gradients_untouched(cfg: _Config, params: list[Any],
     if vanished:
         what = "they were set to None, as optimizer.zero_grad() or model.zero_grad() does"
     elif appeared and marks is None:
-        what = "gradients were written before memguard's backward: a backward() of its own"
+        what = ("gradients were written before memguard's backward: a backward() of its own, "
+                "or, where a module is shared with another model, that model's step running "
+                "meanwhile in another thread (decorate the step of a module holding both, "
+                "torch.nn.ModuleList([model_a, model_b]), or share the module before "
+                "decorating: steps of models that share parameters then take turns)")
     else:
         what = ("they changed in place: a backward() of its own, zero_grad(set_to_none="
                 "False), or clipping")

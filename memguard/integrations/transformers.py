@@ -23,6 +23,7 @@ from ._core import TRAIN, VAL, CallbackBase, missing
 try:
     import transformers as _transformers
     from transformers import TrainerCallback as _TrainerCallback
+    from transformers.trainer_callback import ExportableState as _ExportableState
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
 
@@ -287,6 +288,9 @@ class MicrobatchedTrainingStep:
         self._last: Optional[Any] = None
         self._checked = False
         self._warned = False
+        self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
+        self._seed: Optional[int] = None  # the size a resumed run starts from
+        self._saved: Optional[int] = None  # the size last written into the TrainerState
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -302,8 +306,41 @@ class MicrobatchedTrainingStep:
 
     def reset(self) -> None:
         """Forget the slice sizes that fitted: the next step starts with the whole batch."""
+        self._seed = None
         for _, step in self._steps.values():
             step.reset()
+
+    def _resume(self, trainer: Any) -> None:
+        """At the first step of a ``train()``: start from the slice size a checkpoint kept
+        (``trainer_state.json``'s ``stateful_callbacks``), when the run resumed from one and
+        this step has learned none yet."""
+        self._run = trainer.state
+        saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
+        size = saved.get("attributes", {}).get("microbatch_size") \
+            if isinstance(saved, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return
+        if self._last is not None and self._last.microbatch_size is not None:
+            return  # this trainer learned a size itself: it knows better
+        self._seed = size
+        for _, step in self._steps.values():
+            step.reset(size)
+        log.info("auto_microbatch(trainer): starting from microbatch_size=%d, kept in the "
+                 "checkpoint resumed from", size)
+
+    def _keep(self, trainer: Any) -> None:
+        """Write the slice size learned into the trainer's state, which every checkpoint
+        saves (``trainer_state.json``), through :class:`MicrobatchState`."""
+        size = self._last.microbatch_size if self._last is not None else None
+        if size is None or size == self._saved:
+            return
+        self._saved = size
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, MicrobatchState):
+                callback.microbatch_size = size
+        callbacks = getattr(trainer.state, "stateful_callbacks", None)
+        if isinstance(callbacks, dict):
+            callbacks[STATE_KEY] = MicrobatchState.state_of(size)
 
     def figures(self) -> dict[str, float]:
         """``{"memory/microbatch_size": size}`` for the Trainer's log entries."""
@@ -319,6 +356,8 @@ class MicrobatchedTrainingStep:
         if not self._checked:
             _refuse_unsupported(trainer)
             self._checked = True
+        if trainer.state is not self._run:  # a new train(), resumed from a checkpoint or not
+            self._resume(trainer)
         scaled = trainer.loss_is_scaled_for_ga
         if scaled is None:  # as Trainer.training_step decides it
             scaled = ((trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
@@ -328,6 +367,7 @@ class MicrobatchedTrainingStep:
         self._last = step
         divisor = trainer.accelerator.gradient_accumulation_steps
         total = step(inputs, model, num_items_in_batch, args, kwargs)
+        self._keep(trainer)
         if reduction == "sum" and not self._warned and len(step.history) > 1 \
                 and trainer.loss_is_scaled_for_ga is None \
                 and type(trainer).compute_loss is not _transformers.Trainer.compute_loss:
@@ -383,8 +423,41 @@ class MicrobatchedTrainingStep:
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(trainer).__name__}.training_step")
         step = _auto_microbatch(model, **options)(training_step)
+        if self._seed is not None:
+            step.reset(self._seed)
         self._steps[reduction] = (weakref.ref(model), step)
         return step
+
+
+STATE_KEY = "MicrobatchState"
+"""Where a checkpoint's ``trainer_state.json`` keeps the slice size (``stateful_callbacks``)."""
+
+
+class MicrobatchState(_TrainerCallback, _ExportableState):
+    """The slice size :func:`auto_microbatch` learned, kept with every checkpoint in
+    ``trainer_state.json`` (as the Trainer's own batch-size finder keeps its size there), so
+    that ``train(resume_from_checkpoint=...)`` starts at that size instead of running out of
+    memory again. :func:`auto_microbatch` adds it to the trainer's callbacks.
+
+    Attributes:
+        microbatch_size: the slice size learned (``None`` until a batch was split).
+
+    >>> from memguard.integrations.transformers import MicrobatchState
+    >>> MicrobatchState.state_of(4)
+    {'args': {}, 'attributes': {'microbatch_size': 4}}
+    """
+
+    def __init__(self) -> None:
+        self.microbatch_size: Optional[int] = None
+
+    @staticmethod
+    def state_of(size: Optional[int]) -> dict[str, Any]:
+        """What ``trainer_state.json`` holds for ``size``."""
+        return {"args": {}, "attributes": {"microbatch_size": size}}
+
+    def state(self) -> dict[str, Any]:
+        """The Trainer's ``ExportableState``: saved with each checkpoint."""
+        return self.state_of(self.microbatch_size)
 
 
 def _refuse_unsupported(trainer: Any) -> None:
@@ -466,7 +539,9 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
     gradients are averaged once, where DDP would have. ``MemguardCallback`` s among the
     trainer's callbacks are attached to it, and every training log entry gets
-    ``memory/microbatch_size`` (the slice size of the last step).
+    ``memory/microbatch_size`` (the slice size of the last step). The slice size learned is
+    kept with every checkpoint (:class:`MicrobatchState`, in ``trainer_state.json``), and
+    ``train(resume_from_checkpoint=...)`` starts from it.
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass, not yet training.
@@ -503,10 +578,12 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
     step = MicrobatchedTrainingStep(trainer, original, dict(options))
     trainer.training_step = step
     _joiner(trainer).each["microbatch"] = step.figures
+    if not any(isinstance(c, MicrobatchState) for c in trainer.callback_handler.callbacks):
+        trainer.add_callback(MicrobatchState())  # the size learned, kept with checkpoints
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, MemguardCallback):
             callback.attach(trainer)
     return trainer
 
 
-__all__ = ["MemguardCallback", "MicrobatchedTrainingStep", "auto_microbatch"]
+__all__ = ["MemguardCallback", "MicrobatchState", "MicrobatchedTrainingStep", "auto_microbatch"]
