@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import sys
 import threading
@@ -366,7 +368,9 @@ class MicrobatchedTrainingStep:
         step = self._step(trainer, model, reduction)
         self._last = step
         divisor = trainer.accelerator.gradient_accumulation_steps
-        total = step(inputs, model, num_items_in_batch, args, kwargs)
+        packed = _Packed.of(inputs)  # padding-free packing: cut between its sequences
+        total = step(inputs if packed is None else packed, model, num_items_in_batch, args,
+                     kwargs)
         self._keep(trainer)
         if reduction == "sum" and not self._warned and len(step.history) > 1 \
                 and trainer.loss_is_scaled_for_ga is None \
@@ -390,6 +394,9 @@ class MicrobatchedTrainingStep:
         options["reduction"] = reduction
         if reduction == "mean" and options.get("weight") is None:
             options["weight"] = _default_weight(trainer)
+        if options.get("weight") is not None:
+            counted = options["weight"]
+            options["weight"] = lambda piece: counted(_Packed.rebuild(piece))
         if options.get("scaler") is None and getattr(trainer.accelerator, "scaler", None):
             options["scaler"] = trainer.accelerator.scaler
         original, accelerator = self.original, trainer.accelerator
@@ -404,6 +411,7 @@ class MicrobatchedTrainingStep:
                 losses.append(loss)  # memguard runs backward, weighted, per slice
 
             accelerator.backward = backward
+            piece = _Packed.rebuild(piece)
             try:
                 original(model, piece, num_items_in_batch, *args, **kwargs)
             finally:
@@ -427,6 +435,76 @@ class MicrobatchedTrainingStep:
             step.reset(self._seed)
         self._steps[reduction] = (weakref.ref(model), step)
         return step
+
+
+class _Span:
+    """One sequence of a packed row: tokens ``start:stop`` of ``inputs``."""
+
+    __slots__ = ("inputs", "start", "stop")
+
+    def __init__(self, inputs: Any, start: int, stop: int) -> None:
+        self.inputs, self.start, self.stop = inputs, start, stop
+
+
+class _Packed(list):
+    """A padding-free packed batch (``DataCollatorWithFlattening``: every sequence of the
+    batch in one row, ``position_ids`` restarting at each, ``cu_seq_lens_*`` with flash
+    attention's kwargs) seen as its sequences: one :class:`_Span` per sequence, cut as one
+    item per sample. A slice of consecutive sequences is one contiguous range of
+    the row: :meth:`rebuild` makes it a packed batch of its own, as the collator would have
+    made of those sequences (boundaries, ``max_length_*`` and ``seq_idx`` counted again)."""
+
+    packed: Any
+
+    @classmethod
+    def of(cls, inputs: Any) -> "Optional[_Packed]":
+        """``inputs`` seen as its sequences, or ``None`` when it is not a packed row of
+        several sequences."""
+        if not hasattr(inputs, "keys") or "input_ids" not in inputs:
+            return None
+        ids = inputs["input_ids"]
+        shape = tuple(getattr(ids, "shape", ()))
+        if len(shape) != 2 or shape[0] != 1:
+            return None
+        if "cu_seq_lens_q" in inputs:
+            bounds = [int(b) for b in inputs["cu_seq_lens_q"].reshape(-1).tolist()]
+        elif "position_ids" in inputs and tuple(inputs["position_ids"].shape) == shape:
+            positions = inputs["position_ids"][0]
+            starts = (positions[1:] != positions[:-1] + 1).nonzero().reshape(-1) + 1
+            bounds = [0, *starts.tolist(), shape[1]]
+        else:
+            return None
+        if len(bounds) < 3 or bounds[0] != 0 or bounds[-1] != shape[1]:
+            return None  # one sequence: nothing to cut between
+        out = cls(_Span(inputs, a, b) for a, b in itertools.pairwise(bounds))
+        out.packed = inputs
+        return out
+
+    @staticmethod
+    def rebuild(piece: Any) -> Any:
+        """The packed batch of ``piece`` (the whole batch, a slice of its sequences, or
+        anything else, returned as it is)."""
+        if isinstance(piece, _Packed):
+            return piece.packed
+        if not (isinstance(piece, list) and piece and isinstance(piece[0], _Span)):
+            return piece
+        inputs, first, last = piece[0].inputs, piece[0].start, piece[-1].stop
+        width = inputs["input_ids"].shape[1]
+        out = copy.copy(inputs)  # its type (a dict, a BatchEncoding) and other entries
+        for key, value in inputs.items():
+            if tuple(getattr(value, "shape", ()))[-1:] == (width,) and value.dim() == 2:
+                out[key] = value[:, first:last]
+        if "seq_idx" in inputs:
+            out["seq_idx"] = out["seq_idx"] - out["seq_idx"][:, :1]
+        lengths = [span.stop - span.start for span in piece]
+        for side in ("q", "k"):
+            if f"cu_seq_lens_{side}" in inputs:
+                old = inputs[f"cu_seq_lens_{side}"]
+                bounds = [span.start - first for span in piece] + [last - first]
+                out[f"cu_seq_lens_{side}"] = old.new_tensor(bounds)
+            if f"max_length_{side}" in inputs:
+                out[f"max_length_{side}"] = max(lengths)
+        return out
 
 
 STATE_KEY = "MicrobatchState"
