@@ -5,8 +5,9 @@ rank left waiting in a collective.
 The order of one call:
 
 1. The parameters' gradients on entry are moved aside (deliberate accumulation across steps
-   survives anything that follows), and the model's persistent buffers are copied. Calls on
-   one model are serialised: another thread's step on it waits for this one to end.
+   survives anything that follows), and the model's persistent buffers that a pass can move
+   are copied (others are watched: ``Buffers``). Calls on one model (or on models sharing a
+   parameter) are serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
@@ -655,17 +656,22 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     losses as they are. Gradients the parameters held on entry are kept; any other exception
     propagates at once with them restored.
 
-    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept),
-    nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
+    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept), a
+    dataclass instance, nested; lists of strings or numbers are per-sample (a list of
+    tensors of one shape is read as what the parts beside it say, and cutting one where
+    nothing says is a ``ValueError``); scalars, ``None`` and other objects
     go to every slice as they are. The size that fitted is kept for later calls; batches no
     larger run whole.
 
     What a failed pass leaves is undone: its gradients (also those of tensors outside
     ``model`` that backward writes into, looked for before every backward) and the moves of
     ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
-    over the slices leaves them). Calls on one model are serialised: a thread's step waits
-    for another thread's step on the same model, and the gradients add up as plain torch's
-    would. The decorated function must only compute the loss: an ``optimizer.step()`` of
+    over the slices leaves them; a lazy module's, initialised by a failed pass, are reset).
+    Calls on one model, or on models that share a parameter, are serialised: a thread's
+    step waits for another thread's step on the same model, and the gradients add up as
+    plain torch's would. A ``factor`` that returns an invalid size is a ``ValueError`` with
+    the entry gradients and buffers as they were. The decorated function must only compute
+    the loss: an ``optimizer.step()`` of
     ``model``'s parameters inside it is refused before it steps, and gradients changed
     between memguard's backward calls (``zero_grad()``, a ``backward()`` of its own,
     clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored.

@@ -150,7 +150,7 @@ def test_a_packed_sequence_is_refused_by_name_when_it_must_be_cut():
         oom_over(len(y), 1)
         return F.mse_loss(model(seqs)[1][0], y)
 
-    with pytest.raises(TypeError, match="PackedSequence.*pad_packed_sequence"):
+    with pytest.raises(TypeError, match=r"PackedSequence.*pad_packed_sequence"):
         loss_of((packed, targets))
     with pytest.raises(TypeError, match="PackedSequence"):
         loss_of(packed)  # alone: nothing per-sample to measure either
