@@ -262,7 +262,30 @@ for b in batches:
 lift_budget()
 distance = max((p - q).abs().max().item()
                for p, q in zip(model.parameters(), reference.parameters()))
-finish({"plain": plain, "sizes": sizes, "size": step.microbatch_size, "distance": distance})
+
+# running statistics of 256 MiB that memguard must copy, and cannot within the budget
+import logging
+told = []
+handler = logging.Handler()
+handler.emit = lambda record: told.append(record.getMessage())
+logging.getLogger("memguard").addHandler(handler)
+
+class Normed(Net):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(32 << 20)  # in training mode; not in this forward
+
+del model, reference, opt, ref_opt, step
+normed = Normed()
+step = memguard.auto_microbatch(normed)(lambda b: F.mse_loss(normed(b[0]), b[1]))
+set_budget(200)
+normed_sizes = []
+for b in batches[:2]:
+    step(b)
+    normed_sizes.append([a.size for a in step.history])
+lift_budget()
+finish({"plain": plain, "sizes": sizes, "size": step.microbatch_size, "distance": distance,
+        "normed": normed_sizes, "told": [t for t in told if "copying" in t]})
 """
 
 
@@ -274,6 +297,9 @@ def test_a_large_constant_buffer_under_a_real_budget_plain_torch_fits_in(python_
     assert out["plain"] == 3  # the budget holds plain torch's step
     assert out["sizes"] == [[64]] * 3 and out["size"] is None  # never split: no copy
     assert out["distance"] < 1e-6
+    # memguard's own copy out of memory: told as such, the batch never blamed for it
+    assert out["normed"] == [[64]] * 2
+    assert len(out["told"]) == 2 and "memguard's own bookkeeping" in out["told"][0]
 
 
 # -- two models sharing a submodule, from two threads -----------------------------------------
