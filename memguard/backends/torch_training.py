@@ -274,7 +274,7 @@ class Buffers:
                   or (movers is not None and movers.get(id(buffer)) is buffer)):
                 self.slots.append((module, name, buffer))
             else:
-                self.watched.append((module, name, buffer, buffer._version))  # noqa: SLF001
+                self.watched.append((module, name, buffer, _version(buffer)))
         self.copies: dict[int, Any] = {}  # id of the entry buffer: its values on entry
         failed = 0
         try:
@@ -285,7 +285,7 @@ class Buffers:
             failed = sum(b.numel() * b.element_size() for _, _, b in self.slots)
         if failed:  # outside except: the failed copy's frames are gone
             self.copies = {}
-            self.watched.extend((m, n, b, b._version) for m, n, b in self.slots)  # noqa: SLF001
+            self.watched.extend((m, n, b, _version(b)) for m, n, b in self.slots)
             self.slots = []
             log.warning("%s: copying the model's %d MiB of moving buffers (running statistics) "
                         "ran out of memory before the step; the step runs without the copy "
@@ -320,7 +320,7 @@ class Buffers:
         moved = []
         for module, name, buffer, version in self.watched:
             current = module._buffers.get(name)  # noqa: SLF001 - with its owner
-            if current is not buffer or buffer._version != version:  # noqa: SLF001
+            if current is not buffer or _version(buffer) != version:
                 moved.append((module, name, current))
         return moved
 
@@ -367,6 +367,15 @@ class Buffers:
             log.warning("%s: the failed pass moved %d buffer(s) memguard had not copied (%s): "
                         "their moves stay; memguard copies them from the next step on",
                         self.who, len(stayed), ", ".join(stayed[:4]))
+
+
+def _version(tensor: Any) -> int:
+    """``tensor``'s version counter (bumped by every in-place write); -1 for an inference
+    tensor, which has none (and cannot be written in place outside inference mode)."""
+    try:
+        return int(tensor._version)  # noqa: SLF001 - autograd's counter
+    except RuntimeError:
+        return -1
 
 
 def grad_marks(params: list[Any]) -> list[Optional[tuple[Any, int]]]:

@@ -471,6 +471,8 @@ class _Packed(list):
         elif "position_ids" in inputs and tuple(inputs["position_ids"].shape) == shape:
             positions = inputs["position_ids"][0]
             starts = (positions[1:] != positions[:-1] + 1).nonzero().reshape(-1) + 1
+            if not bool((positions[starts] == positions[0]).all()):
+                return None  # not sequences restarting at one position: padding, say
             bounds = [0, *starts.tolist(), shape[1]]
         else:
             return None
