@@ -142,8 +142,8 @@ def with_statistics(func: Any, wrapper: Callable[..., Any],
     """
     bound_base = _wrapper_classes()[1]
 
-    def reset_method(self: Any) -> None:
-        reset()
+    def reset_method(self: Any, *args: Any, **kwargs: Any) -> None:
+        reset(*args, **kwargs)
 
     reset_method.__doc__ = reset.__doc__
     members: dict[str, Any] = {name: _statistic(get, doc)

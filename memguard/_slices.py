@@ -8,7 +8,8 @@ three kinds:
   (or a plain ``tuple``) of items that are not themselves batch parts (strings, numbers, file
   names: one item per sample);
 - **containers** are rebuilt around their cut parts, keeping their type: any ``Mapping``
-  (``dict``, ``OrderedDict``, a Hugging Face ``BatchEncoding``), a named tuple, and a plain
+  (``dict``, ``OrderedDict``, a Hugging Face ``BatchEncoding``), a named tuple, a dataclass
+  instance (rebuilt with ``dataclasses.replace``, its non-per-sample fields kept), and a plain
   ``tuple``/``list`` that holds batch parts (``(x, y)``, ``[ids, mask, labels]``, the list
   ``DataLoader``'s default collation makes of tuple samples);
 - **shared** parts are handed to every slice as they are: scalars, 0-dim tensors, ``None``,
@@ -17,9 +18,16 @@ three kinds:
 Every per-sample part must have the same length. Where a list could be read both ways, the
 rule is: a ``list`` whose items are all Mappings (``collate_fn=lambda x: x``), all lists of
 plain items (token ids), or batch parts of different lengths (ragged sequences) is one item
-per sample; a ``list`` of tensors or arrays of one common length is a container of fields,
-as collation makes them. A ``tuple`` holding batch parts is always a container, whose parts
-must agree.
+per sample; a ``list`` of tensors or arrays of one length but not all of one shape and dtype
+(``[x, y]`` of shapes ``[B, D]`` and ``[B]``) is a container of fields, as collation makes
+them. A ``list`` of two or more tensors of one shape and dtype reads both ways (collation's
+``[inputs, targets]`` of one shape, or one sequence per sample that happen to share a
+length): the other per-sample parts beside it decide (the reading whose length they have);
+where nothing decides, the batch runs whole as it is, and cutting it is a ``ValueError``
+saying how to make it plain (a ``tuple`` of fields, or one dict per sample), never a guess
+that the lengths of one batch could flip. A ``tuple`` holding batch parts is always a
+container, whose parts must agree. A ``torch.nn.utils.rnn.PackedSequence`` cannot be cut
+(its data interleaves the sequences): cutting one is a ``TypeError``.
 
 This module never imports a framework: parts are recognised by their ``shape``.
 """
@@ -27,10 +35,12 @@ This module never imports a framework: parts are recognised by their ``shape``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, MutableMapping
 from typing import Any, Optional, Union
 
 SHARED, SAMPLES, ITEMS, MAPPING, SEQUENCE = "shared", "samples", "items", "mapping", "sequence"
+RECORD, UNCUT = "record", "uncut"  # a dataclass instance; a part that cannot be cut
 
 
 def _shape_length(value: Any) -> Optional[int]:
@@ -86,7 +96,7 @@ class Plan:
     {'x': [[3, 4], [5, 6]], 'name': ['b', 'c'], 'lr': 0.1}
     """
 
-    __slots__ = ("kind", "length", "parts", "flat")
+    __slots__ = ("kind", "length", "parts", "flat", "alt", "where")
 
     def __init__(self, kind: str, length: Optional[int], parts: Any = None) -> None:
         self.kind = kind
@@ -94,6 +104,10 @@ class Plan:
         self.parts = parts
         # a tuple, list or mapping (its type) whose parts are all array-likes: see fits
         self.flat: Optional[type] = None
+        # a list of tensors of one shape, read as fields (``length``) while it could be one
+        # tensor per sample (``alt`` samples): nothing beside it told which; cut refuses
+        self.alt: Optional[int] = None
+        self.where: Where = "batch"  # for the messages of ``alt`` and ``UNCUT``
 
     def fits(self, value: Any) -> bool:
         """Whether this plan, made for an array-like or a flat container (:attr:`flat`), is
@@ -129,9 +143,17 @@ class Plan:
             parts = {key: cls.of(item, (where, key)) for key, item in value.items()}
             return _flat(cls(MAPPING, _common(parts, where), parts), value)
         if _is_named_tuple(value):
+            if _is_packed_sequence(value):
+                plan = cls(UNCUT, None)
+                plan.where = where
+                return plan
             parts = {i: cls.of(item, (where, _Field(name)))
                      for i, (name, item) in enumerate(zip(type(value)._fields, value, strict=True))}
             return cls(SEQUENCE, _common(parts, where), parts)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            parts = {f.name: cls.of(getattr(value, f.name), (where, _Field(f.name)))
+                     for f in dataclasses.fields(value)}
+            return cls(RECORD, _common(parts, where), parts)
         if _is_plain_sequence(value):
             return cls._sequence(value, where)
         return cls(SHARED, None)
@@ -153,6 +175,13 @@ class Plan:
         if isinstance(value, list) and (kinds == {MAPPING} or kinds == {ITEMS}):
             return cls(ITEMS, len(value))  # one dict (or one token list) per sample
         if len(lengths) == 1:
+            if (len(value) > 1 and kinds == {SAMPLES} and isinstance(value, list)
+                    and _one_shape(value)):
+                plan = cls(SEQUENCE, lengths.pop(), parts)  # fields, or one per sample
+                plan.alt, plan.where = len(value), where
+                return plan
+            if SEQUENCE in kinds:  # a list of one-shaped tensors inside: settled here
+                _common(parts, where)
             return _flat(cls(SEQUENCE, lengths.pop(), parts), value)
         if isinstance(value, list) and SHARED not in kinds:
             return cls(ITEMS, len(value))  # one tensor per sample (ragged sequences)
@@ -164,9 +193,22 @@ class Plan:
             return value
         if self.kind in (SAMPLES, ITEMS):
             return value[start:stop]
+        if self.alt is not None:
+            raise ValueError(_ambiguous(self, value))
+        if self.kind == UNCUT:
+            raise TypeError(f"memguard cannot cut {_where(self.where)}, a "
+                            f"torch.nn.utils.rnn.PackedSequence, into samples: its data "
+                            f"interleaves the sequences. Put the padded tensor and the lengths "
+                            f"in the batch (torch.nn.utils.rnn.pad_packed_sequence, or "
+                            f"pad_sequence of the sequences) and pack them inside the step "
+                            f"function")
         if self.kind == MAPPING:
             return _rebuild_mapping(value, {key: plan.cut(value[key], start, stop)
                                             for key, plan in self.parts.items()})
+        if self.kind == RECORD:
+            return _rebuild_record(value, {name: plan.cut(getattr(value, name), start, stop)
+                                           for name, plan in self.parts.items()
+                                           if plan.kind != SHARED})
         items = [plan.cut(item, start, stop)
                  for plan, item in zip(self.parts.values(), value, strict=True)]
         if _is_named_tuple(value):
@@ -193,7 +235,33 @@ def _samples(length: int) -> Plan:
     return plan
 
 
+def _one_shape(items: list) -> bool:
+    """Whether the array-likes ``items`` all have one shape and one dtype."""
+    first = items[0]
+    shape, dtype = tuple(first.shape), getattr(first, "dtype", None)
+    return all(tuple(t.shape) == shape and getattr(t, "dtype", None) == dtype
+               for t in items[1:])
+
+
+def _is_packed_sequence(value: Any) -> bool:
+    kind = type(value)
+    return kind.__name__ == "PackedSequence" and kind.__module__.startswith("torch")
+
+
+def _ambiguous(plan: Plan, value: Any) -> str:
+    first = value[0]
+    return (f"memguard cannot tell how to cut {_where(plan.where)}, a list of {plan.alt} "
+            f"tensors of one shape {list(first.shape)}: it may be fields of {plan.length} "
+            f"samples each (as DataLoader collation makes [inputs, targets]) or one tensor "
+            f"per sample ({plan.alt} samples), and nothing beside it in the batch says "
+            f"which. Make it plain: a tuple of fields (collate_fn=lambda b: "
+            f"tuple(default_collate(b))), a dict, or one dict per sample "
+            f"([{{'x': t}} for t in ...]), or put a per-sample tensor (the labels) beside it")
+
+
 def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
+    if any(p.alt is not None for p in parts.values()):
+        _settle(parts)
     lengths = {key: p.length for key, p in parts.items() if p.length is not None}
     if len(set(lengths.values())) > 1:
         listed = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
@@ -201,6 +269,39 @@ def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
                          f"number of samples ({listed}); every tensor, array and per-sample "
                          f"list in a batch must have the same length along dim 0")
     return next(iter(lengths.values()), None)
+
+
+def _settle(parts: dict[Any, Plan]) -> None:
+    """Read each list of one-shaped tensors among ``parts`` (``alt``) as the parts whose
+    reading is plain agree: fields where their length is its items' length, one tensor per
+    sample where it is the number of its items."""
+    plain = {p.length for p in parts.values() if p.length is not None and p.alt is None}
+    if len(plain) != 1:
+        return
+    length = plain.pop()
+    for key, p in parts.items():
+        if p.alt is None or p.length == p.alt:
+            continue
+        if p.length == length:
+            p.alt = None  # fields
+        elif p.alt == length:
+            parts[key] = Plan(ITEMS, length)  # one tensor per sample
+
+
+def _rebuild_record(original: Any, items: dict) -> Any:
+    """A copy of the dataclass instance ``original`` holding ``items`` (fields by name):
+    ``dataclasses.replace`` for the fields ``__init__`` takes, the others set on the copy."""
+    init = {f.name for f in dataclasses.fields(original) if f.init}
+    try:
+        new = dataclasses.replace(original, **{k: v for k, v in items.items() if k in init})
+        for key, item in items.items():
+            if key not in init:
+                object.__setattr__(new, key, item)
+    except Exception as exc:
+        raise TypeError(f"memguard cannot rebuild a {type(original).__name__} from its "
+                        f"slices with dataclasses.replace ({exc}); pass the batch as a "
+                        f"dict") from exc
+    return new
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
@@ -232,11 +333,13 @@ def plan_batch(batch: Any, last: Optional[Plan] = None) -> Plan:
         return last
     plan = Plan.of(batch)
     if plan.length is None:
+        if plan.kind == UNCUT:
+            plan.cut(batch, 0, 0)  # its error
         raise TypeError(f"memguard cannot split a batch of type "
                         f"{type(batch).__module__}.{type(batch).__qualname__} ({_short(batch)}): "
                         f"it has no per-sample part. A batch is a tensor, an array, a "
-                        f"list/tuple or a dict/Mapping of those (nested), or a list of "
-                        f"per-sample items")
+                        f"list/tuple, a dict/Mapping or a dataclass of those (nested), or a "
+                        f"list of per-sample items")
     return plan
 
 

@@ -7,8 +7,9 @@ The order of one call:
 1. The parameters' gradients on entry stay in place during the step function's first call
    (a ``zero_grad()`` at the top of the step clears them, as in plain torch) and are then
    moved aside as that call left them (deliberate accumulation across steps survives
-   anything that follows); the model's persistent buffers are copied. Calls on one model are
-   serialised: another thread's step on it waits for this one to end.
+   anything that follows); the model's persistent buffers that a pass can move are copied
+   (others are watched: ``Buffers``). Calls on one model (or on models sharing a parameter)
+   are serialised: another thread's step on it waits for this one to end.
 2. A pass runs the decorated function and backward on each slice of the batch (the whole
    batch at first, or the size that worked before), weighting each slice's loss by its share of
    the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
@@ -109,8 +110,9 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     @property
     def history(self) -> list[Attempt]: ...
 
-    def reset(self) -> None:
-        """Forget the microbatch size and the last call's attempts."""
+    def reset(self, microbatch_size: Optional[int] = None) -> None:
+        """Forget the microbatch size and the last call's attempts; with ``microbatch_size``,
+        start from that slice size instead (one learned before, kept with a checkpoint)."""
 
 
 class _Config:
@@ -187,6 +189,15 @@ class _State(GuardState):
         self.microbatch_size: Optional[int] = None
         self.clean_steps = 0
 
+    def reset(self, microbatch_size: Optional[int] = None) -> None:
+        """Forget the size that fitted and the last call's attempts; with
+        ``microbatch_size`` (a positive int), start from that slice size."""
+        if microbatch_size is not None:
+            optional_positive_int(microbatch_size, "microbatch_size", who="reset")
+        super().reset()
+        with self.lock:
+            self.microbatch_size = microbatch_size
+
 
 _MODELS_LOCK = ForkSafeLock()
 # by the model's id (a module need not be hashable); an entry lives while a step function
@@ -196,14 +207,23 @@ _MODEL_LOCKS: "weakref.WeakValueDictionary[int, ForkSafeLock]" = weakref.WeakVal
 
 def _model_lock(model: Any) -> ForkSafeLock:
     """The lock that serialises ``auto_microbatch`` calls on ``model`` (every step function
-    decorated for it, and for the module a ``DistributedDataParallel`` wraps), re-entrant for
-    a step called inside another on the same thread."""
+    decorated for it, for the module a ``DistributedDataParallel`` wraps, and for any model
+    that shares a parameter with it: two models holding one submodule, stepped from two
+    threads, add their gradients up one step at a time), re-entrant for a step called inside
+    another on the same thread."""
     ddp = training.ddp_of(model)
     key = ddp.module if ddp is not None else model
+    params = training.parameters(key)
     with _MODELS_LOCK:
         lock = _MODEL_LOCKS.get(id(key))
         if lock is None:
-            lock = _MODEL_LOCKS[id(key)] = ForkSafeLock(reentrant=True)
+            lock = next((found for p in params
+                         if (found := _MODEL_LOCKS.get(-id(p))) is not None), None)
+        if lock is None:
+            lock = ForkSafeLock(reentrant=True)
+        _MODEL_LOCKS[id(key)] = lock
+        for p in params:  # by the parameter's id, negated: apart from the models' ids
+            _MODEL_LOCKS.setdefault(-id(p), lock)
         return lock
 
 
@@ -338,7 +358,7 @@ class _Step(Loop):
         buffers = None
         try:
             if walked.slots:
-                buffers = training.Buffers(walked.slots)
+                buffers = training.Buffers(walked.slots, walked.movers, cfg.name)
                 started = time.perf_counter()
             token = enter_attempt(state, gave_up)
             try:
@@ -364,21 +384,33 @@ class _Step(Loop):
                 training.restore(params, entry)
                 state.history = []
                 raise
-            step = cls.__new__(cls)
-            step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
-                          (list(params), walked.slots, set(known), shared))
-            step.entry, step.buffers, step.settled = entry, buffers, True
-            step._start(step.samples)  # noqa: SLF001 - its own class's
-            step.gauge, step.gave_up, step.started = gauge, gave_up, started
-            # recorded, frames dropped, the next size proposed
-            if not step._exit(exc):  # noqa: SLF001 - its own class's
+            own: Optional[BaseException] = None  # memguard's own error while recovering
+            try:
+                step = cls.__new__(cls)
+                step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
+                              (list(params), walked.slots, set(known), shared))
+                step.entry, step.buffers, step.settled = entry, buffers, True
+                step._start(step.samples)  # noqa: SLF001 - its own class's
+                step.gauge, step.gave_up, step.started = gauge, gave_up, started
+                # recorded, frames dropped, the next size proposed (a factor that returns
+                # an invalid size raises here)
+                resumes = step._exit(exc)  # noqa: SLF001 - its own class's
+            except BaseException as error:  # noqa: BLE001 - raised below, after the restore
+                resumes, own = False, error
+            if not resumes:  # the entry gradients and buffers as they were, then the error
                 training.restore(params, entry)
+                if buffers is not None:
+                    buffers.load()
                 state.history = []
+                if own is not None:
+                    raise own from exc
                 raise
         else:
             seconds = time.perf_counter() - started
             if entry.count(None) != len(entry):  # gradients held on entry: add them
                 training.merge(params, entry)
+            if buffers is not None and buffers.watched:
+                buffers.learn()
             state.last = (plan.length or 0, seconds)  # the history, made when asked for
             state.clean_steps += 1
             return total
@@ -460,7 +492,9 @@ class _Step(Loop):
             with training.local_gradients(self.ddp) as syncs, self._sharding():
                 self.syncs = syncs
                 if not resumed:
-                    self.buffers = training.Buffers(self.slots)  # after DDP's broadcast
+                    # after DDP's broadcast
+                    self.buffers = training.Buffers(self.slots, self.cfg.walked.movers,
+                                                    self.cfg.name)
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
@@ -469,6 +503,8 @@ class _Step(Loop):
                 if fsdp.syncs:  # held back during the passes: once, now, on every rank
                     fsdp.reduce()
             training.merge(self.params, self.entry)
+            if self.buffers is not None:
+                self.buffers.learn()
         except BaseException:
             if fsdp is not None:
                 fsdp.reset()
@@ -658,7 +694,11 @@ def _changed_error(cfg: _Config, total: int, appeared: int, changed: int) -> Run
     """The error for gradients that the step function wrote or changed itself."""
     if appeared:
         what = ("gradients were written before memguard's backward: a backward() of its own "
-                "or an assignment to .grad")
+                "or an assignment to .grad, or, where a module is shared with another model, "
+                "that model's step running meanwhile in another thread (decorate the step of a "
+                "module holding both, torch.nn.ModuleList([model_a, model_b]), or share the "
+                "module before decorating: steps of models that share parameters then take "
+                "turns)")
     else:
         what = ("they changed in place to values other than zeros: a backward() of its own "
                 "or clipping")
@@ -755,39 +795,42 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     losses as they are. Gradients the parameters held on entry are kept; any other exception
     propagates at once with them restored.
 
-    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept),
-    nested; lists of strings or numbers are per-sample; scalars, ``None`` and other objects
+    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept), a
+    dataclass instance, nested; lists of strings or numbers are per-sample (a list of
+    tensors of one shape is read as what the parts beside it say, and cutting one where
+    nothing says is a ``ValueError``); scalars, ``None`` and other objects
     go to every slice as they are. The size that fitted is kept for later calls; batches no
     larger run whole.
 
-    What a failed pass leaves is undone: its gradients (also those of tensors outside
-    ``model`` that backward writes into, looked for before every backward) and the moves of
-    ``model``'s persistent buffers (BatchNorm's running statistics end as plain accumulation
-    over the slices leaves them). Calls on one model are serialised: a thread's step waits
-    for another thread's step on the same model, and the gradients add up as plain torch's
-    would. A ``zero_grad()`` at the top of the function (a loop ported as it is) starts the
-    step from zero gradients, whole or split: the first call sees the entry gradients and
-    what it does to them stands, later calls run with the accumulated gradients moved aside.
-    The decorated function must otherwise only compute the loss: an ``optimizer.step()`` of
-    ``model``'s parameters inside it is refused before it steps, gradients the function
-    writes or changes otherwise than by zeroing (a ``backward()`` of its own, clipping) are a
-    ``RuntimeError`` naming the mistake, the entry gradients restored, and a hook registered
-    with ``register_post_accumulate_grad_hook`` on the parameters (an optimizer step fused
-    into backward) is a ``NotImplementedError`` at the first call.
+    What a failed pass leaves is undone: its gradients (also those of tensors outside ``model`` that
+    backward writes into, looked for before every backward) and the moves of ``model``'s persistent
+    buffers (BatchNorm's running statistics end as plain accumulation over the slices leaves them; a
+    lazy module's, initialised by a failed pass, are reset). Calls on one model, or on models that
+    share a parameter, are serialised: a thread's step waits for another thread's step on the same
+    model, and the gradients add up as plain torch's would. A ``factor`` that returns an invalid
+    size is a ``ValueError`` with the entry gradients and buffers as they were. A ``zero_grad()`` at
+    the top of the function (a loop ported as it is) starts the step from zero gradients, whole or
+    split: the first call sees the entry gradients and what it does to them stands, later calls run
+    with the accumulated gradients moved aside. The decorated function must otherwise only compute
+    the loss: an ``optimizer.step()`` of ``model``'s parameters inside it is refused before it
+    steps, gradients the function writes or changes otherwise than by zeroing (a ``backward()`` of
+    its own, clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored, and
+    a hook registered with ``register_post_accumulate_grad_hook`` on the parameters (an optimizer
+    step fused into backward) is a ``NotImplementedError`` at the first call.
 
-    With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction
-    and buffer broadcast, the ranks agree after every pass on memguard's gloo group (so one
-    rank's out-of-memory, in forward or backward, hangs no one: a rank that is done waits),
-    and the gradients are averaged once over the DDP group afterwards, as DDP would have
-    (not inside the user's own ``no_sync()``). Every rank must call the step, as DDP
-    requires. With an FSDP2 model (``fully_shard``, per layer and at the root), gradient
-    reduction is held back during the passes (as ``set_requires_gradient_sync(False)`` does)
-    and made once after them, the ranks exchange a flag before every FSDP unit's all-gather in
-    forward and in backward (so one rank's out-of-memory is learned there, before a collective
-    it would not join), and every rank redoes the step at the same slice size; give every
-    rank batches of one length. An out-of-memory while FSDP allocates an all-gather's buffer,
-    or inside the one reduce-scatter after the last pass, still hangs (see the distributed
-    guide). Inside an :func:`oom_retry` call, the step takes part in its nesting rule.
+    With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction and buffer
+    broadcast, the ranks agree after every pass on memguard's gloo group (so one rank's
+    out-of-memory, in forward or backward, hangs no one: a rank that is done waits), and the
+    gradients are averaged once over the DDP group afterwards, as DDP would have (not inside the
+    user's own ``no_sync()``). Every rank must call the step, as DDP requires. With an FSDP2 model
+    (``fully_shard``, per layer and at the root), gradient reduction is held back during the passes
+    (as ``set_requires_gradient_sync(False)`` does) and made once after them, the ranks exchange a
+    flag before every FSDP unit's all-gather in forward and in backward (so one rank's out-of-memory
+    is learned there, before a collective it would not join), and every rank redoes the step in the
+    same number of passes (batches of different lengths on different ranks are cut as many times).
+    An out-of-memory while FSDP allocates an all-gather's buffer, or inside the one reduce-scatter
+    after the last pass, still hangs (see the distributed guide). Inside an :func:`oom_retry` call,
+    the step takes part in its nesting rule.
 
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP

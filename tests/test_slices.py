@@ -125,3 +125,48 @@ def test_empty_and_huge_batches():
     huge = torch.empty(10**9, dtype=torch.uint8)  # 1 GB, untouched
     assert plan_batch({"x": huge}).length == 10**9
     assert cut({"x": huge}, 10**9 - 2, 10**9)["x"].shape == (2,)
+
+
+def test_a_list_of_one_shaped_tensors_reads_as_what_is_beside_it_says():
+    seqs = [torch.full((10,), i) for i in range(6)]  # six sequences of one length
+    beside = (seqs, torch.arange(6))  # six labels: one sequence per sample
+    assert plan_batch(beside).length == 6
+    assert [int(s[0]) for s in cut(beside, 2, 4)[0]] == [2, 3]
+    fields = (seqs, torch.arange(10))  # ten labels: six fields of ten samples
+    assert plan_batch(fields).length == 10
+    assert [len(s) for s in cut(fields, 2, 4)[0]] == [2] * 6
+    ragged = [torch.ones(5), torch.ones(7), torch.ones(3)]  # lengths say it: per sample
+    assert plan_batch(ragged).length == 3
+
+
+def test_a_list_of_one_shaped_tensors_alone_is_refused_when_cut_whatever_it_holds():
+    for batch in ([torch.ones(10) for _ in range(6)], [torch.ones(8, 3), torch.ones(8, 3)]):
+        plan = plan_batch(batch)  # measured: a batch that fits runs whole
+        with pytest.raises(ValueError, match=r"cannot tell how to cut batch, a list of"):
+            plan.cut(batch, 0, 1)
+    assert plan_batch((torch.ones(8, 3), torch.ones(8, 3))).length == 8  # a tuple: fields
+    assert plan_batch([torch.ones(8, 3), torch.ones(8)]).length == 8  # two shapes: fields
+
+
+def test_a_dataclass_is_rebuilt_around_its_cut_fields():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:
+        x: torch.Tensor
+        names: list
+        lr: float = 0.1
+        total: torch.Tensor = dataclasses.field(init=False, default=None)
+
+    batch = Batch(torch.arange(6), ["a", "b", "c", "d", "e", "f"])
+    object.__setattr__(batch, "total", torch.arange(6) * 2)  # set after __init__
+    piece = cut(batch, 1, 3)
+    assert type(piece) is Batch and piece.names == ["b", "c"] and piece.lr == 0.1
+    assert piece.x.tolist() == [1, 2] and piece.total.tolist() == [2, 4]
+    assert batch.x.tolist() == list(range(6))  # the original untouched
+
+
+def test_a_packed_sequence_is_refused_by_name():
+    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])
+    with pytest.raises(TypeError, match=r"batch\[0\], a torch.nn.utils.rnn.PackedSequence"):
+        plan_batch((packed, torch.arange(2))).cut((packed, torch.arange(2)), 0, 1)

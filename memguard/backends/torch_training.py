@@ -12,6 +12,7 @@ alive during the step: one gradient buffer more at the peak than plain accumulat
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import weakref
 from contextvars import ContextVar
@@ -21,6 +22,10 @@ from .._locks import ForkSafeLock
 from ..errors import oom_kind
 from .torch import module_tree
 
+log = logging.getLogger("memguard")
+SMALL_BUFFER = 4 << 20
+"""Bytes up to which a persistent buffer is copied before a step whether or not it is known to
+move (see :class:`Buffers`)."""
 BUCKET_BYTES = 25 << 20  # DDP's default bucket size: the most the averaging concatenates
 
 
@@ -85,7 +90,8 @@ class Walked:
     aside and back.
     """
 
-    __slots__ = ("model", "generation", "until", "params", "slots", "known", "hooked")
+    __slots__ = ("model", "generation", "until", "params", "slots", "known", "hooked",
+                 "movers")
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -95,6 +101,8 @@ class Walked:
         self.slots: list[Slot] = []
         self.known: frozenset[int] = frozenset()
         self.hooked: list[tuple[int, Any]] = []  # fused_steps(params)
+        # the buffers seen to move in a step (see Buffers), by id
+        self.movers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     def get(self, now: float) -> "Walked":
         """Itself, walked again if a change was seen or :data:`REWALK` seconds passed
@@ -229,19 +237,67 @@ def describe(tensor: Any) -> str:
 
 
 class Buffers:
-    """A copy of a model's persistent buffers (where :func:`trained`'s ``slots`` say they
-    are, read there now), to put back after a failed forward moved them.
+    """What a failed pass must put back of a model's persistent buffers (where
+    :func:`trained`'s ``slots`` say they are, read there now), and only that.
 
-    The copy is one flat tensor per device and dtype: a few kernel launches, whatever the
-    number of buffers, and as many bytes as the buffers hold.
+    A pass moves few buffers: the running statistics of a normalisation layer in training
+    mode (BatchNorm and the like), and those a model's own forward writes. Copied, as one flat
+    tensor per device and dtype: those statistics, every buffer of at most
+    :data:`SMALL_BUFFER` bytes (a counter, spectral norm's vectors: copying them costs
+    nothing), and the larger buffers seen to move in an earlier step (``movers``, learned
+    from their version counters). A larger buffer not known to move (a constant table, a
+    mask) is not copied but watched: its version counter read on entry. A failed pass that
+    moved a watched buffer is told in a warning (its move stays; the buffer is copied from
+    then on). A buffer not yet
+    initialised (a lazy module's) is reset to its initial state when the failed pass
+    initialised it. An out-of-memory while copying is memguard's own, not the batch's: the
+    buffers are then watched instead, with a warning.
     """
 
-    def __init__(self, slots: list[Slot]) -> None:
+    def __init__(self, slots: list[Slot],
+                 movers: "Optional[weakref.WeakValueDictionary[int, Any]]" = None,
+                 who: str = "auto_microbatch") -> None:
         import torch
+        from torch.nn.modules.batchnorm import _NormBase
+        from torch.nn.parameter import is_lazy
 
-        # the buffers on entry, where their modules hold them
-        self.slots = [(module, name, buffer) for module, name in slots
-                      if (buffer := module._buffers.get(name)) is not None]  # noqa: SLF001
+        from ..errors import oom_kind
+
+        self.who = who
+        self.movers = movers
+        self.slots: list[tuple[Any, str, Any]] = []  # copied: (module, name, entry buffer)
+        self.watched: list[tuple[Any, str, Any, int]] = []  # (module, name, buffer, version)
+        self.lazy: list[tuple[Any, str]] = []  # uninitialised on entry
+        for module, name in slots:
+            buffer = module._buffers.get(name)  # noqa: SLF001 - with its owner
+            if buffer is None:
+                continue
+            if is_lazy(buffer):
+                self.lazy.append((module, name))
+            elif (buffer.numel() * buffer.element_size() <= SMALL_BUFFER
+                  or (module.training and isinstance(module, _NormBase))
+                  or (movers is not None and movers.get(id(buffer)) is buffer)):
+                self.slots.append((module, name, buffer))
+            else:
+                self.watched.append((module, name, buffer, _version(buffer)))
+        self.copies: dict[int, Any] = {}  # id of the entry buffer: its values on entry
+        failed = 0
+        try:
+            self._copy(torch)
+        except Exception as exc:
+            if oom_kind(exc) is None:
+                raise
+            failed = sum(b.numel() * b.element_size() for _, _, b in self.slots)
+        if failed:  # outside except: the failed copy's frames are gone
+            self.copies = {}
+            self.watched.extend((m, n, b, _version(b)) for m, n, b in self.slots)
+            self.slots = []
+            log.warning("%s: copying the model's %d MiB of moving buffers (running statistics) "
+                        "ran out of memory before the step; the step runs without the copy "
+                        "(memguard's own bookkeeping, not the batch, did not fit): a pass "
+                        "that fails now cannot put those buffers back", who, failed >> 20)
+
+    def _copy(self, torch: Any) -> None:
         groups: dict[tuple, list[Any]] = {}
         seen: set[int] = set()  # a buffer that two modules share is copied once
         for _, _, buffer in self.slots:
@@ -251,7 +307,6 @@ class Buffers:
             plain = type(buffer) is torch.Tensor and buffer.layout == torch.strided
             key = (buffer.device, buffer.dtype) if plain else ("own", id(buffer))
             groups.setdefault(key, []).append(buffer)
-        self.copies: dict[int, Any] = {}  # id of the entry buffer: its values on entry
         if not groups:
             return
         with torch.no_grad():
@@ -265,10 +320,30 @@ class Buffers:
                     self.copies[id(t)] = flat[offset:offset + t.numel()].view_as(t)
                     offset += t.numel()
 
+    def _moved(self) -> list[tuple[Any, str, Any]]:
+        """The watched buffers that moved since entry: ``(module, name, current tensor)``."""
+        moved = []
+        for module, name, buffer, version in self.watched:
+            current = module._buffers.get(name)  # noqa: SLF001 - with its owner
+            if current is not buffer or _version(buffer) != version:
+                moved.append((module, name, current))
+        return moved
+
+    def learn(self) -> None:
+        """After a pass that succeeded: the watched buffers it moved are copied from the
+        next step on."""
+        if self.movers is None or not self.watched:
+            return
+        for _, _, current in self._moved():
+            if current is not None:
+                self.movers[id(current)] = current
+
     def load(self) -> None:
-        """Put every buffer back as it was on entry (in place; a buffer the model replaced
-        by another tensor gets its entry values back as a tensor of its own)."""
+        """Put every copied buffer back as it was on entry (in place; a buffer the model
+        replaced by another tensor gets its entry values back as a tensor of its own), reset
+        the lazy buffers the pass initialised, and warn of watched buffers that moved."""
         import torch
+        from torch.nn.parameter import is_lazy
 
         with torch.no_grad():
             for module, name, buffer in self.slots:
@@ -278,6 +353,34 @@ class Buffers:
                     buffer.copy_(saved)
                 else:
                     module._buffers[name] = saved.clone()  # noqa: SLF001 - with the owner
+        stayed = []
+        reset: set[int] = set()
+        for module, name in self.lazy:
+            current = module._buffers.get(name)  # noqa: SLF001 - with the owner
+            if current is None or is_lazy(current) or id(module) in reset:
+                continue
+            if callable(getattr(module, "reset_running_stats", None)):
+                reset.add(id(module))  # as initialised: zeros, ones, no batch counted
+                module.reset_running_stats()
+            else:
+                stayed.append(f"{type(module).__name__}.{name}")
+        for module, name, current in self._moved():
+            stayed.append(f"{type(module).__name__}.{name}")
+            if self.movers is not None and current is not None:
+                self.movers[id(current)] = current
+        if stayed:
+            log.warning("%s: the failed pass moved %d buffer(s) memguard had not copied (%s): "
+                        "their moves stay; memguard copies them from the next step on",
+                        self.who, len(stayed), ", ".join(stayed[:4]))
+
+
+def _version(tensor: Any) -> int:
+    """``tensor``'s version counter (bumped by every in-place write); -1 for an inference
+    tensor, which has none (and cannot be written in place outside inference mode)."""
+    try:
+        return int(tensor._version)  # noqa: SLF001 - autograd's counter
+    except RuntimeError:
+        return -1
 
 
 Held = Optional[list[Optional[tuple[Any, int]]]]

@@ -103,7 +103,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     torchmetrics states are put back before it is redone); the pass that counts logs once
     per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
     each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
-    through the module's ``log``; ``microbatch_size`` holds the size that fitted.
+    through the module's ``log``; ``microbatch_size`` holds the size that fitted. That size
+    is kept in the callback's state in every checkpoint (``state_dict``), and a fit resumed
+    from one (``ckpt_path=``), or a later ``fit`` with the same callback, starts from it.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
@@ -164,6 +166,19 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         if self._step is not None and self._step.microbatch_size is not None:
             return self._step.microbatch_size
         return self._size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's callback state, saved with each checkpoint: the slice size learned, so
+        that a fit resumed from the checkpoint starts from it."""
+        return {"microbatch_size": self.microbatch_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Start from the slice size a checkpoint kept (see :meth:`state_dict`)."""
+        size = state_dict.get("microbatch_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            self._size = size
+            if self._step is not None:
+                self._step.reset(size)
 
     # -- Lightning's hooks ---------------------------------------------------------------------
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -262,6 +277,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(pl_module).__name__}.training_step")
         step = auto_microbatch(pl_module, **options)(training_step)
+        if self._size is not None:  # learned in an earlier fit, or kept in the checkpoint
+            step.reset(self._size)
         callback = self
 
         def replaced(module: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import math
 import sys
@@ -24,6 +26,7 @@ from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 try:
     import transformers as _transformers
     from transformers import TrainerCallback as _TrainerCallback
+    from transformers.trainer_callback import ExportableState as _ExportableState
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
 
@@ -290,6 +293,9 @@ class MicrobatchedTrainingStep:
         # whether a model's loss divides by num_items_in_batch, found out once per model
         self._uses_items: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
+        self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
+        self._seed: Optional[int] = None  # the size a resumed run starts from
+        self._saved: Optional[int] = None  # the size last written into the TrainerState
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -305,8 +311,41 @@ class MicrobatchedTrainingStep:
 
     def reset(self) -> None:
         """Forget the slice sizes that fitted: the next step starts with the whole batch."""
+        self._seed = None
         for _, step in self._steps.values():
             step.reset()
+
+    def _resume(self, trainer: Any) -> None:
+        """At the first step of a ``train()``: start from the slice size a checkpoint kept
+        (``trainer_state.json``'s ``stateful_callbacks``), when the run resumed from one and
+        this step has learned none yet."""
+        self._run = trainer.state
+        saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
+        size = saved.get("attributes", {}).get("microbatch_size") \
+            if isinstance(saved, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return
+        if self._last is not None and self._last.microbatch_size is not None:
+            return  # this trainer learned a size itself: it knows better
+        self._seed = size
+        for _, step in self._steps.values():
+            step.reset(size)
+        log.info("auto_microbatch(trainer): starting from microbatch_size=%d, kept in the "
+                 "checkpoint resumed from", size)
+
+    def _keep(self, trainer: Any) -> None:
+        """Write the slice size learned into the trainer's state, which every checkpoint
+        saves (``trainer_state.json``), through :class:`MicrobatchState`."""
+        size = self._last.microbatch_size if self._last is not None else None
+        if size is None or size == self._saved:
+            return
+        self._saved = size
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, MicrobatchState):
+                callback.microbatch_size = size
+        callbacks = getattr(trainer.state, "stateful_callbacks", None)
+        if isinstance(callbacks, dict):
+            callbacks[STATE_KEY] = MicrobatchState.state_of(size)
 
     def figures(self) -> dict[str, float]:
         """``{"memory/microbatch_size": size}`` for the Trainer's log entries."""
@@ -322,6 +361,8 @@ class MicrobatchedTrainingStep:
         if not self._checked:
             _refuse_unsupported(trainer)
             self._checked = True
+        if trainer.state is not self._run:  # a new train(), resumed from a checkpoint or not
+            self._resume(trainer)
         scaled = trainer.loss_is_scaled_for_ga
         if scaled is None:  # as Trainer.training_step decides it
             scaled = ((trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
@@ -330,11 +371,14 @@ class MicrobatchedTrainingStep:
         step = self._step(trainer, model, reduction)
         self._last = step
         divisor = trainer.accelerator.gradient_accumulation_steps
+        packed = _Packed.of(inputs)  # padding-free packing: cut between its sequences
         self._context = (model, num_items_in_batch)
         try:
-            total = step(inputs, model, num_items_in_batch, args, kwargs)
+            total = step(inputs if packed is None else packed, model, num_items_in_batch, args,
+                         kwargs)
         finally:
             self._context = None
+        self._keep(trainer)
         return total * divisor if divisor != 1 else total
 
     def _step(self, trainer: Any, model: Any, reduction: str) -> Any:
@@ -353,6 +397,9 @@ class MicrobatchedTrainingStep:
             # accepts **kwargs: whether it is, is found out at the first split
             options["reduction"] = "mean"
             options["weight"] = self._items_weight(trainer, _default_weight(trainer))
+        if options.get("weight") is not None:
+            counted = options["weight"]
+            options["weight"] = lambda piece: counted(_Packed.rebuild(piece))
         if options.get("scaler") is None and getattr(trainer.accelerator, "scaler", None):
             options["scaler"] = trainer.accelerator.scaler
         original, accelerator = self.original, trainer.accelerator
@@ -367,6 +414,7 @@ class MicrobatchedTrainingStep:
                 losses.append(loss)  # memguard runs backward, weighted, per slice
 
             accelerator.backward = backward
+            piece = _Packed.rebuild(piece)
             try:
                 original(model, piece, num_items_in_batch, *args, **kwargs)
             finally:
@@ -386,6 +434,8 @@ class MicrobatchedTrainingStep:
         training_step.__name__ = training_step.__qualname__ = (
             f"{type(trainer).__name__}.training_step")
         step = _auto_microbatch(model, **options)(training_step)
+        if self._seed is not None:
+            step.reset(self._seed)
         self._steps[reduction] = (weakref.ref(model), step)
         return step
 
@@ -461,6 +511,109 @@ def _loss_uses_items(trainer: Any, model: Any, batch: Any, items: Any) -> bool:
     return True
 
 
+class _Span:
+    """One sequence of a packed row: tokens ``start:stop`` of ``inputs``."""
+
+    __slots__ = ("inputs", "start", "stop")
+
+    def __init__(self, inputs: Any, start: int, stop: int) -> None:
+        self.inputs, self.start, self.stop = inputs, start, stop
+
+
+class _Packed(list):
+    """A padding-free packed batch (``DataCollatorWithFlattening``: every sequence of the
+    batch in one row, ``position_ids`` restarting at each, ``cu_seq_lens_*`` with flash
+    attention's kwargs) seen as its sequences: one :class:`_Span` per sequence, cut as one
+    item per sample. A slice of consecutive sequences is one contiguous range of
+    the row: :meth:`rebuild` makes it a packed batch of its own, as the collator would have
+    made of those sequences (boundaries, ``max_length_*`` and ``seq_idx`` counted again)."""
+
+    packed: Any
+
+    @classmethod
+    def of(cls, inputs: Any) -> "Optional[_Packed]":
+        """``inputs`` seen as its sequences, or ``None`` when it is not a packed row of
+        several sequences."""
+        if not hasattr(inputs, "keys") or "input_ids" not in inputs:
+            return None
+        ids = inputs["input_ids"]
+        shape = tuple(getattr(ids, "shape", ()))
+        if len(shape) != 2 or shape[0] != 1:
+            return None
+        if "cu_seq_lens_q" in inputs:
+            bounds = [int(b) for b in inputs["cu_seq_lens_q"].reshape(-1).tolist()]
+        elif "position_ids" in inputs and tuple(inputs["position_ids"].shape) == shape:
+            positions = inputs["position_ids"][0]
+            starts = (positions[1:] != positions[:-1] + 1).nonzero().reshape(-1) + 1
+            if not bool((positions[starts] == positions[0]).all()):
+                return None  # not sequences restarting at one position: padding, say
+            bounds = [0, *starts.tolist(), shape[1]]
+        else:
+            return None
+        if len(bounds) < 3 or bounds[0] != 0 or bounds[-1] != shape[1]:
+            return None  # one sequence: nothing to cut between
+        out = cls(_Span(inputs, a, b) for a, b in itertools.pairwise(bounds))
+        out.packed = inputs
+        return out
+
+    @staticmethod
+    def rebuild(piece: Any) -> Any:
+        """The packed batch of ``piece`` (the whole batch, a slice of its sequences, or
+        anything else, returned as it is)."""
+        if isinstance(piece, _Packed):
+            return piece.packed
+        if not (isinstance(piece, list) and piece and isinstance(piece[0], _Span)):
+            return piece
+        inputs, first, last = piece[0].inputs, piece[0].start, piece[-1].stop
+        width = inputs["input_ids"].shape[1]
+        out = copy.copy(inputs)  # its type (a dict, a BatchEncoding) and other entries
+        for key, value in inputs.items():
+            if tuple(getattr(value, "shape", ()))[-1:] == (width,) and value.dim() == 2:
+                out[key] = value[:, first:last]
+        if "seq_idx" in inputs:
+            out["seq_idx"] = out["seq_idx"] - out["seq_idx"][:, :1]
+        lengths = [span.stop - span.start for span in piece]
+        for side in ("q", "k"):
+            if f"cu_seq_lens_{side}" in inputs:
+                old = inputs[f"cu_seq_lens_{side}"]
+                bounds = [span.start - first for span in piece] + [last - first]
+                out[f"cu_seq_lens_{side}"] = old.new_tensor(bounds)
+            if f"max_length_{side}" in inputs:
+                out[f"max_length_{side}"] = max(lengths)
+        return out
+
+
+STATE_KEY = "MicrobatchState"
+"""Where a checkpoint's ``trainer_state.json`` keeps the slice size (``stateful_callbacks``)."""
+
+
+class MicrobatchState(_TrainerCallback, _ExportableState):
+    """The slice size :func:`auto_microbatch` learned, kept with every checkpoint in
+    ``trainer_state.json`` (as the Trainer's own batch-size finder keeps its size there), so
+    that ``train(resume_from_checkpoint=...)`` starts at that size instead of running out of
+    memory again. :func:`auto_microbatch` adds it to the trainer's callbacks.
+
+    Attributes:
+        microbatch_size: the slice size learned (``None`` until a batch was split).
+
+    >>> from memguard.integrations.transformers import MicrobatchState
+    >>> MicrobatchState.state_of(4)
+    {'args': {}, 'attributes': {'microbatch_size': 4}}
+    """
+
+    def __init__(self) -> None:
+        self.microbatch_size: Optional[int] = None
+
+    @staticmethod
+    def state_of(size: Optional[int]) -> dict[str, Any]:
+        """What ``trainer_state.json`` holds for ``size``."""
+        return {"args": {}, "attributes": {"microbatch_size": size}}
+
+    def state(self) -> dict[str, Any]:
+        """The Trainer's ``ExportableState``: saved with each checkpoint."""
+        return self.state_of(self.microbatch_size)
+
+
 def _refuse_unsupported(trainer: Any) -> None:
     """A clear error for the set-ups whose backward memguard cannot run slice by slice."""
     from accelerate.utils import DistributedType  # type: ignore[import-untyped]
@@ -520,7 +673,9 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
     gradients are averaged once, where DDP would have. ``MemguardCallback`` s among the
     trainer's callbacks are attached to it, and every training log entry gets
-    ``memory/microbatch_size`` (the slice size of the last step).
+    ``memory/microbatch_size`` (the slice size of the last step). The slice size learned is
+    kept with every checkpoint (:class:`MicrobatchState`, in ``trainer_state.json``), and
+    ``train(resume_from_checkpoint=...)`` starts from it.
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass, not yet training.
@@ -557,10 +712,12 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
     step = MicrobatchedTrainingStep(trainer, original, dict(options))
     trainer.training_step = step
     _joiner(trainer).each["microbatch"] = step.figures
+    if not any(isinstance(c, MicrobatchState) for c in trainer.callback_handler.callbacks):
+        trainer.add_callback(MicrobatchState())  # the size learned, kept with checkpoints
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, MemguardCallback):
             callback.attach(trainer)
     return trainer
 
 
-__all__ = ["MemguardCallback", "MicrobatchedTrainingStep", "auto_microbatch"]
+__all__ = ["MemguardCallback", "MicrobatchState", "MicrobatchedTrainingStep", "auto_microbatch"]
