@@ -478,10 +478,13 @@ def _loss_uses_items(trainer: Any, model: Any, batch: Any, items: Any) -> bool:
     if items is None or torch_fsdp.units(model):
         return True
     unwrapped = trainer.accelerator.unwrap_model(model)
-    plan = plan_batch(batch)
+    packed = _Packed.of(batch)  # a packed row: one of its sequences, not the whole row
+    source = batch if packed is None else packed
+    plan = plan_batch(source)
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     for i in range(min(int(plan.length or 0), 4)):
-        inputs = trainer._prepare_inputs(plan.cut(batch, i, i + 1))  # noqa: SLF001 - as training_step
+        piece = _Packed.rebuild(plan.cut(source, i, i + 1))
+        inputs = trainer._prepare_inputs(piece)  # noqa: SLF001 - as training_step
         was = unwrapped.training
         with torch.random.fork_rng(devices=devices), torch.no_grad(), \
                 trainer.compute_loss_context_manager():
