@@ -22,7 +22,7 @@ FEATURES = ("batchnorm", "dropout", "tied", "frozen", "lazy", "buffers", "checkp
             "compile")
 STRUCTURES = ("tensor", "dict", "nested", "list_equal", "list_unequal", "dataclass", "strings",
               "numpy", "encoding")
-LOSSES = ("sample_mean", "token_mean", "sum", "smoothing", "weighted")
+LOSSES = ("sample_mean", "token_mean", "sum", "smoothing", "weighted", "pooled")
 # features whose output depends on which samples share a pass: compared with plain torch
 # on the same slices (gradient accumulation), not on the whole batch
 COUPLED = frozenset({"batchnorm", "dropout", "buffers"})
@@ -194,8 +194,13 @@ def loss_value(kind: str, logits: torch.Tensor, y: torch.Tensor, seg: torch.Tens
     if kind == "sum":
         return each.sum()
     n = len(w)
+    real = (y != -100).float()
+    counts = torch.zeros(n).index_add(0, seg, real).clamp(min=1)
+    if kind == "pooled":  # one class per sequence, from its positions' mean logits
+        pooled = torch.zeros(n, logits.shape[1]).index_add(0, seg, logits * real[:, None])
+        target = torch.zeros(n, dtype=torch.long).index_add(0, seg, y.clamp(min=0)) % C
+        return nn.functional.cross_entropy(pooled / counts[:, None], target)
     per_sample = torch.zeros(n).index_add(0, seg, each)
-    counts = torch.zeros(n).index_add(0, seg, (y != -100).float()).clamp(min=1)
     per_sample = per_sample / counts
     if kind == "sample_mean":
         return per_sample.mean()
