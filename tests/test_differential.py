@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -691,3 +692,72 @@ def test_lightning_16_mixed_scales_the_loss():
     assert max(m.abs().max().item() for m in moved) > 0  # plain 16-mixed trains
     ours = [(p - q).detach() for p, q in zip(got.net.parameters(), start.parameters())]
     assert max(relative(a, b) for a, b in zip(ours, moved)) <= 1e-2
+
+
+# -- a real budget: the injected points anchored to a real out-of-memory ----------------------
+BUDGET = """
+import sys
+sys.path.insert(0, TESTS)
+import torch
+import memguard
+import differential as d
+torch.set_num_threads(1)
+
+class Wide(torch.nn.Module):
+    # 8192 positions x 2048 hidden: 64 MiB per activation, about 256 MiB for a step
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(d.D, 2048)
+        self.head = torch.nn.Linear(2048, d.C)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.up(x)))
+
+results = []
+scenarios = [("dict", "sample_mean"), ("nested", "token_mean"), ("numpy", "weighted")]
+lengths = [64 - (i * 7) % 40 for i in range(128)]
+s = d.samples(lengths, 64, 0)
+references = []
+for structure, loss in scenarios:  # plain torch, the whole batch, before the budget
+    ref = Wide()
+    d.step_loss(ref, structure, loss, d.pack(structure, s)).backward()
+    references.append(ref)
+warm = Wide()
+memguard.auto_microbatch(warm)(lambda b: d.step_loss(warm, "dict", "sample_mean", b))(
+    d.pack("dict", s.part(0, 8)))
+del warm
+memguard.free_memory()
+set_budget(BUDGET_MIB)
+plain_fails = None
+try:
+    probe = Wide()
+    d.step_loss(probe, "dict", "sample_mean", d.pack("dict", s)).backward()
+except Exception as error:
+    plain_fails = memguard.is_oom_error(error)
+del probe
+memguard.free_memory()
+for (structure, loss), ref in zip(scenarios, references):
+    net = Wide()
+    step = memguard.auto_microbatch(net, **d.options(loss, structure))(
+        lambda b: d.step_loss(net, structure, loss, b))
+    step(d.pack(structure, s))
+    results.append({"structure": structure, "loss": loss,
+                    "sizes": [a.size for a in step.history],
+                    "error": d.gradient_error(net, ref)})
+    del net, step
+    memguard.free_memory()
+lift_budget()
+finish({"plain_fails": plain_fails, "results": results})
+"""
+
+
+@pytest.mark.slow
+def test_a_real_budget_splits_every_structure_as_plain_torch(python_in_subprocess):
+    from budget import ENV, script
+    code = script(f"TESTS = {str(Path(__file__).parent)!r}\nBUDGET_MIB = 140\n", BUDGET)
+    out = python_in_subprocess(code, env=ENV, timeout=300)
+    assert out["plain_fails"] is True, out  # the whole batch does not fit the budget
+    for result in out["results"]:
+        assert result["sizes"][0] == 128 and len(result["sizes"]) > 1, result
+        assert result["error"] <= TOL, result
