@@ -477,17 +477,17 @@ def hf_model(features: frozenset[str], loss: str):
 HF_STEPS = 3
 
 
-def hf_train(tmp_path, features, loss, points=(), wrap=False, **options):
+def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None, **options):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     data = samples([5, 3, 1, 4, 2, 5, 0, 2, 4, 4, 3, 1, 5, 2, 1, 3, 2, 5, 4, 1, 3, 2, 2, 4],
                    5, 7)
     m = hf_model(features, loss)
-    args = transformers.TrainingArguments(
-        str(tmp_path), max_steps=HF_STEPS, per_device_train_batch_size=8, learning_rate=0.5,
-        optim="sgd", lr_scheduler_type="constant", report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, use_cpu=True, seed=0, data_seed=0,
-        remove_unused_columns=False)
+    settings = dict(max_steps=HF_STEPS, per_device_train_batch_size=8, learning_rate=0.5,
+                    optim="sgd", lr_scheduler_type="constant", report_to=[],
+                    save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
+                    seed=0, data_seed=0, remove_unused_columns=False)
+    args = transformers.TrainingArguments(str(tmp_path), **{**settings, **(arguments or {})})
     trainer = transformers.Trainer(model=m, args=args, train_dataset=Rows(data))
     injector = Injector(m.net, points)
     if wrap:
@@ -501,10 +501,10 @@ def hf_train(tmp_path, features, loss, points=(), wrap=False, **options):
     return m, logged, injector.fired
 
 
-def hf_compare(tmp_path, features, loss, points, **options):
-    ref, ref_logged, _ = hf_train(tmp_path / "ref", features, loss)
+def hf_compare(tmp_path, features, loss, points, arguments=None, **options):
+    ref, ref_logged, _ = hf_train(tmp_path / "ref", features, loss, arguments=arguments)
     got, logged, fired = hf_train(tmp_path / "got", features, loss, points, wrap=True,
-                                  **options)
+                                  arguments=arguments, **options)
     assert fired == list(points)
     error = weight_error(got, ref)
     assert error <= TOL, f"weights {error:.3g} off the plain Trainer"
@@ -518,11 +518,15 @@ HF_ROWS = [
     (frozenset({"frozen"}), "sample_mean", FIRST_BACKWARD,
      {"weight": lambda b: len(b["labels"])}),
     (frozenset(), "sum", (Point(1, 3, "backward"),), {"reduction": "sum"}),
+    (frozenset({"tied"}), "num_items", (Point(1, 2, "forward"), Point(3, 4, "backward")),
+     {"arguments": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
+                    "max_grad_norm": 0.05}}),
 ]
 
 
 @pytest.mark.parametrize("features, loss, where, extra", HF_ROWS,
-                         ids=["-".join([*sorted(f), name]) for f, name, _, _ in HF_ROWS])
+                         ids=["-".join([*sorted(f), name, *e.get("arguments", {})])
+         for f, name, _, e in HF_ROWS])
 def test_hugging_face_trainer_matches_the_plain_trainer(tmp_path, features, loss, where,
                                                         extra):
     hf_compare(tmp_path, features, loss, where, **extra)
@@ -669,14 +673,18 @@ LIGHTNING_ROWS = [
     ("pytorch_lightning", frozenset({"checkpointing"}), "list_unequal", "sum",
      (Point(1, 3, "forward"),)),
     ("lightning.pytorch", frozenset({"frozen"}), "strings", "weighted", FIRST_FORWARD),
+    ("pytorch_lightning", frozenset({"tied"}), "dict", "pooled", FIRST_FORWARD,
+     {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
 ]
 
 
-@pytest.mark.parametrize("package, features, structure, loss, where", LIGHTNING_ROWS,
-                         ids=["-".join([p.split(".")[0], *sorted(f), s, name])
-                              for p, f, s, name, _ in LIGHTNING_ROWS])
-def test_lightning_matches_plain_lightning(package, features, structure, loss, where):
-    ref, ref_logged, got, logged = lightning_compare(package, features, structure, loss, where)
+@pytest.mark.parametrize("package, features, structure, loss, where, trainer", [
+    row if len(row) == 6 else (*row, {}) for row in LIGHTNING_ROWS],
+    ids=["-".join([row[0].split(".")[0], *sorted(row[1]), row[2], row[3],
+                   *(row[5] if len(row) == 6 else {})]) for row in LIGHTNING_ROWS])
+def test_lightning_matches_plain_lightning(package, features, structure, loss, where, trainer):
+    ref, ref_logged, got, logged = lightning_compare(package, features, structure, loss, where,
+                                                     **trainer)
     error = weight_error(got, ref)
     assert error <= TOL, f"weights {error:.3g} off plain Lightning"
     if loss in ("sample_mean", "pooled"):  # logged per slice with batch_size=, as the guide asks
@@ -690,6 +698,16 @@ def test_lightning_out_of_memory_in_backward_and_the_epoch_mean():
                                                      "sample_mean", FIRST_BACKWARD)
     assert weight_error(got, ref) <= TOL
     assert got.seen == ref.seen
+    assert logged == pytest.approx(ref_logged, rel=TOL)
+
+
+@pytest.mark.xfail(strict=True, reason="Lightning, out-of-memory in forward of a later slice: "
+                                       "the earlier slices' self.log of the failed pass stay "
+                                       "in the epoch's mean")
+def test_lightning_out_of_memory_in_a_later_slice_and_the_epoch_mean():
+    ref, ref_logged, got, logged = lightning_compare("pytorch_lightning", frozenset(), "dict",
+                                                     "sample_mean", LATER_FORWARD)
+    assert weight_error(got, ref) <= TOL  # the weights are right: only the log is off
     assert logged == pytest.approx(ref_logged, rel=TOL)
 
 
