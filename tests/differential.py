@@ -163,7 +163,13 @@ class Net(nn.Module):
             with torch.no_grad():
                 self.seen += x.shape[0]
                 self.centre.mul_(0.9).add_(0.1 * x.mean(0))
-        h = torch.tanh(self.drop(self.norm(self.embed(x))))
+        h = self.norm(self.embed(x))
+        if "dropout" in self.features:
+            # the mask drawn from the slice's own data: the same slice draws the same mask in
+            # memguard's pass and in plain torch's, whatever passes failed before (seeded
+            # after the embedding, whose lazy initialisation draws from the same generator)
+            torch.manual_seed(int(x.abs().sum().item() * 1000) % 2**31)
+        h = torch.tanh(self.drop(h))
         if "checkpointing" in self.features:
             h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
         else:
@@ -233,10 +239,6 @@ def share(loss: str, part: Samples, whole: Samples) -> float:
 
 def step_loss(net: nn.Module, structure: str, loss: str, batch: Any) -> torch.Tensor:
     x, y, seg, w = unpack(structure, batch)
-    if "dropout" in getattr(net, "features", ()):
-        # dropout's mask drawn from the slice's own data: the same slice draws the same
-        # mask in memguard's pass and in plain torch's, whatever passes failed before
-        torch.manual_seed(int(x.abs().sum().item() * 1000) % 2**31)
     return loss_value(loss, net(x), y, seg, w)
 
 

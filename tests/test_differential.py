@@ -55,6 +55,7 @@ from torch.nn.parameter import is_lazy
 
 import memguard
 
+pytestmark = pytest.mark.differential
 TOL = 1e-5
 EXAMPLES = int(os.environ.get("MEMGUARD_DIFF_EXAMPLES", "40"))
 PLAIN_FEATURES = ("batchnorm", "dropout", "tied", "frozen", "lazy", "buffers",
@@ -909,5 +910,7 @@ def test_lightning_at_generated_points(lightning_reference, where):
                                        "sample_mean", where, MemguardCallback(microbatch=True))
     error = weight_error(got, ref)
     assert error <= TOL, f"weights {error:.3g} off plain Lightning, points fired: {fired}"
-    if all(p.phase == "forward" for p in fired):  # backward: an open defect of its own row
+    # the log of a pass that failed after self.log (in backward, or a later slice) is an open
+    # defect with rows of its own
+    if all(p.phase == "forward" and p.number == 0 for p in fired):
         assert logged == pytest.approx(ref_logged, rel=TOL), fired
