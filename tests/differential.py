@@ -293,6 +293,8 @@ class Injector:
             handle.remove()
 
     def _new_pass(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():  # a probe without gradients (memguard's checks)
+            return
         self.passes += 1
         self.calls = 0
 
@@ -303,6 +305,8 @@ class Injector:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected at {point})")
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
         here = self.calls
         self.calls += 1
         self._fire(Point(self.passes, here, "forward"))
