@@ -346,7 +346,7 @@ class SizeFile:
             return 0
         real = os.path.realpath(self.path)
         try:
-            with _FileLock(real + ".lock"):
+            with _FileLock(os.path.dirname(real)):
                 sizes, problem = self._inspect()
                 if sizes is None or problem is not None:
                     self._warn(problem or self._foreign("changed while being written"))

@@ -449,7 +449,7 @@ def test_the_size_file_lock_closes_its_descriptor_when_flock_fails(tmp_path, mon
     monkeypatch.setattr(os, "open", recording_open)
     monkeypatch.setattr(fcntl, "flock", failing_flock)
     with pytest.raises(OSError, match="No locks available"):
-        with sizes._FileLock(str(tmp_path / "sizes.json.lock")):
+        with sizes._FileLock(str(tmp_path)):
             pass
     assert len(opened) == 1
     with pytest.raises(OSError, match="Bad file descriptor"):
