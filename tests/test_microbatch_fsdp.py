@@ -343,3 +343,20 @@ def test_batches_of_different_lengths_run_the_same_passes_and_name_the_rank_that
         outputs[0]["error"]
     assert "did not run out itself" in outputs[0]["error"]
     assert "out of memory at every microbatch_size tried" in outputs[1]["error"], outputs
+
+
+def test_a_plain_model_does_not_import_fsdp(python_in_subprocess):
+    """Wrapping and running a model that nothing shards leaves ``torch.distributed.fsdp``
+    unimported: importing it pulls in hundreds of modules (tens of MiB of address space,
+    which a tight RLIMIT_AS budget counts against the step)."""
+    out = python_in_subprocess("""
+import json, sys
+import torch
+import memguard
+net = torch.nn.Linear(4, 1)
+step = memguard.auto_microbatch(net)(lambda x: net(x).mean())
+step(torch.randn(8, 4))
+print(json.dumps({"fsdp": "torch.distributed.fsdp" in sys.modules,
+                  "grad": net.weight.grad is not None}))
+""")
+    assert out == {"fsdp": False, "grad": True}

@@ -25,6 +25,7 @@ end-of-backward callback: FSDP2 offers no public call that reduces accumulated g
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 
@@ -40,6 +41,10 @@ def fsdp1(model: Any) -> Optional[Any]:
 
 def units(model: Any) -> list[Any]:
     """The modules of ``model`` that ``fully_shard`` was applied to, in ``modules()`` order."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        # never imported, so nothing is sharded; importing it here would pull in hundreds of
+        # modules (sympy, mpmath: tens of MiB of address space) at every plain model's wrap
+        return []
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - a build without torch.distributed
