@@ -64,6 +64,24 @@ def test_max_leak_spares_the_warm_up_epoch_and_names_the_holder():
     assert callback.scopes[0].retained["host"] > 150 << 20  # the warm-up, unjudged
 
 
+def test_max_leak_sees_a_tensor_kept_in_tensorflows_pool_each_epoch():
+    import tensorflow as tf
+
+    class Leaky(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            LEAKS.append(tf.random.normal((1 << 20,)))  # 4 MiB an epoch, in TensorFlow's pool
+
+    LEAKS.clear()
+    quiet = MemguardCallback()
+    tiny().fit(X, Y, batch_size=16, epochs=4, verbose=0, callbacks=[quiet])
+    callback = MemguardCallback(max_leak="1MiB")
+    with pytest.raises(memguard.MemoryLeakError, match=r"'keras epoch 2' retained"):
+        tiny().fit(X, Y, batch_size=16, epochs=3, verbose=0, callbacks=[callback, Leaky()])
+    LEAKS.clear()
+    assert all(s.retained["host"] < 1 << 20 for s in quiet.scopes[1:]), quiet.scopes
+    assert callback.scopes[1].retained["host"] > 3.5 * (1 << 20)
+
+
 def test_a_failed_fit_leaves_the_callback_ready_for_the_next(caplog):
     class Fails(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

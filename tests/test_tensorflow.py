@@ -163,3 +163,29 @@ def test_tensorflows_cpu_pool_counts_as_reusable_under_an_address_space_budget(
     """)
     assert out["kind"] == "memory_limit"
     assert out["reusable"] >= 250 * 2**20, out  # the freed 256 MiB, still mapped
+
+
+def test_a_tensor_kept_in_tensorflows_onednn_pool_is_retained(python_in_subprocess):
+    # oneDNN's pool cuts tensors from blocks it took from malloc once: mallinfo2 barely moves
+    # when a block keeps one, the pool's own in-use figure does
+    out = python_in_subprocess("""
+        import json
+        import tensorflow as tf
+        import memguard
+        MiB = 2**20
+        float(tf.reduce_sum(tf.random.normal((4 * MiB,))))  # the pool's first blocks
+        kept, raised, idle = [], 0, []
+        for _ in range(10):
+            try:
+                with memguard.memory_scope(max_leak="1MiB"):
+                    kept.append(tf.random.normal((MiB,)))  # 4 MiB
+            except memguard.MemoryLeakError:
+                raised += 1
+        for _ in range(10):
+            with memguard.memory_scope() as scope:
+                float(tf.reduce_sum(tf.random.normal((MiB,))))  # 4 MiB, freed
+            idle.append(scope.retained["host"] / MiB)
+        print(json.dumps({"raised": raised, "idle": idle}))
+    """, env={"TF_ENABLE_ONEDNN_OPTS": "1"})
+    assert out["raised"] == 10
+    assert max(out["idle"]) < 0.5, out["idle"]

@@ -2,7 +2,13 @@
 
 - ``reserved`` is the process's resident set size (RSS);
 - ``allocated`` is what glibc's malloc has handed out and not yet freed (``mallinfo2``), which
-  is where torch and TensorFlow CPU tensors live; without glibc it equals the RSS;
+  is where torch and TensorFlow CPU tensors live; without glibc it equals the RSS. TensorFlow
+  with oneDNN (its default on x86) cuts CPU tensors from blocks its own pool took from malloc
+  and keeps: the bytes that pool hands out are added (:func:`.tensorflow.cpu_pool_in_use`), so
+  a tensor kept in the pool counts once in what a block retained, which ``mallinfo2`` alone
+  does not see (the pool's blocks count in ``mallinfo2`` too: the level is that much above
+  what the process really uses, and a block during which the pool took a new block of its own
+  retains that block as well);
 - ``peak`` is the kernel's high-water mark of the RSS (``VmHWM``), reset by writing ``5`` to
   ``/proc/self/clear_refs``; where that is not allowed, the highest RSS memguard has read
   since the last reset;
@@ -20,6 +26,7 @@ from typing import Any, Optional
 
 from .._locks import ForkSafeLock
 from .base import Backend, DeviceMemory, Reading
+from .tensorflow import cpu_pool_in_use
 
 HOST = "host"
 SLOW_MALLINFO = 100e-6  # seconds: a mallinfo2 slower than this is not read on every call
@@ -158,13 +165,19 @@ class HostBackend(Backend):
     def owns(self, device: str) -> bool:
         return device == HOST
 
+    def handed_out(self) -> Optional[int]:
+        """Bytes handed out: malloc's (``mallinfo2``) and TensorFlow's CPU pool's, or ``None``
+        without glibc."""
+        used = self.malloc_in_use()
+        return None if used is None else used + cpu_pool_in_use()
+
     def read_fast(self, device: str = HOST) -> Reading:
         rss = self.rss()
-        used = self.malloc_in_use()
+        used = self.handed_out()
         return Reading(rss if used is None else used, rss)
 
     def read_in_use(self, device: str = HOST) -> Optional[int]:
-        used = self.malloc_in_use()
+        used = self.handed_out()
         return self.rss() if used is None else used
 
     def quick_kind(self, device: Optional[str] = None) -> str:
@@ -214,7 +227,7 @@ class HostBackend(Backend):
         if kind == "resident":
             return kind, self.rss()
         start = time.perf_counter()
-        used = self.malloc_in_use()
+        used = self.handed_out()
         self._judge_mallinfo(start)
         return kind, self.rss() if used is None else used
 
