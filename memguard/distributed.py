@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Literal, Union
 
 from .backends import torch_distributed
+from .errors import MemguardError
 
 Sync = Union[bool, Literal["auto"]]
 OK, OOM, GAVE_UP, FAILED = 0, 1, 2, 3
@@ -51,13 +52,23 @@ class Agreement:
         """Each of ``values`` maximised over the ranks (as they are when not active)."""
         if not self.active:
             return values
-        return torch_distributed.all_max(values)
+        try:
+            return torch_distributed.all_max(values)
+        except torch_distributed.SyncTimeout as timeout:
+            raise MemguardError(
+                f"rank {self.rank}: the other ranks did not reach memguard's agreement within "
+                f"{timeout.args[0]:g} s (${torch_distributed.TIMEOUT_VARIABLE}). Likely causes: "
+                "a collective of your own inside the guarded step (all_reduce, gather_for_metrics"
+                "...) that a peer's out-of-memory left unmatched - move it out of the guarded "
+                "code; or a guarded call made on some ranks only (if rank == 0: ...) - pass "
+                "sync=False to that call. The process group is not reusable after this error: "
+                "end the job.") from None
 
     def agree(self, status: int, size: int) -> tuple[int, int]:
         """Return the worst status over the ranks and the smallest size."""
         if not self.active:
             return status, size
-        worst, negative = torch_distributed.all_max([status, -size])
+        worst, negative = self.all_max([status, -size])
         return worst, -negative
 
     def worst(self, status: int, flags: list[int]) -> tuple[int, list[int]]:
@@ -65,7 +76,7 @@ class Agreement:
         flags must have the same length on every rank)."""
         if not self.active:
             return status, flags
-        values = torch_distributed.all_max([status, *flags])
+        values = self.all_max([status, *flags])
         return values[0], values[1:]
 
     def smallest(self, size: int) -> int:

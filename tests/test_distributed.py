@@ -104,3 +104,42 @@ def test_world_follows_the_default_group_being_made_and_destroyed(python_in_subp
         print(json.dumps({{"before": before, "during": during, "after": world()}}))
     """)
     assert out == {"before": None, "during": [0, 1], "after": None}
+
+
+ONE_RANK_ONLY = """
+import time
+import torch.distributed as dist
+import memguard
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+dist.barrier()
+
+@memguard.oom_retry(batch_size=4)  # sync="auto": takes part in the agreement
+def evaluate(batch_size):
+    return batch_size
+
+outcome, waited = "not called", 0.0
+if rank == 0:  # the peer never makes the guarded call
+    start = time.monotonic()
+    try:
+        outcome = "returned %r" % evaluate()
+    except memguard.MemguardError as exc:
+        outcome = "MemguardError: " + str(exc)
+    waited = time.monotonic() - start
+else:
+    time.sleep(8)  # busy elsewhere, past rank 0's short timeout
+finish({"rank": rank, "outcome": outcome, "waited": waited})
+"""
+
+
+def test_a_guarded_call_on_one_rank_only_raises_after_the_timeout(monkeypatch):
+    """``if rank == 0: evaluate()`` with a guarded ``evaluate`` used to wait for rank 1
+    forever; with a short MEMGUARD_SYNC_TIMEOUT rank 0 raises an error naming the fix."""
+    monkeypatch.setenv("MEMGUARD_SYNC_TIMEOUT", "2")
+    outputs = run_ranks(ONE_RANK_ONLY, world=2, timeout=60)
+    first = outputs[0]
+    assert first["outcome"].startswith("MemguardError: rank 0: the other ranks did not reach"), \
+        outputs
+    assert "sync=False" in first["outcome"] and "collective of your own" in first["outcome"]
+    assert 2 <= first["waited"] < 7, outputs  # the timeout, not the peer's return, ended it
+    assert outputs[1]["outcome"] == "not called"

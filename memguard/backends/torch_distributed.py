@@ -7,6 +7,8 @@ that has just run out of memory. Where the default group already is gloo, that g
 
 from __future__ import annotations
 
+import datetime
+import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -69,11 +71,48 @@ def _side_group() -> Any:
         return group
 
 
+TIMEOUT_VARIABLE = "MEMGUARD_SYNC_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank waits for its peers in memguard's agreement before it raises."""
+
+
+def sync_timeout() -> float:
+    """Seconds to wait in the agreement: ``$MEMGUARD_SYNC_TIMEOUT`` or :data:`DEFAULT_TIMEOUT`."""
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_VARIABLE} must be a positive number of seconds, "
+                         f"got {text!r}")
+    return seconds
+
+
+class SyncTimeout(RuntimeError):
+    """The peers did not reach memguard's agreement in time (raised as a MemguardError)."""
+
+
 def all_max(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over every rank (a CPU tensor, gloo)."""
+    """The element-wise maximum of ``values`` over every rank (a CPU tensor, gloo).
+
+    Waits at most :func:`sync_timeout` seconds, then raises :class:`SyncTimeout`: a peer
+    that never arrives (it waits in a collective of its own, or never makes the guarded
+    call) must not hang this rank. The abandoned all-reduce stays pending on the group, so
+    the group is not reusable afterwards: the error is meant to end the job.
+    """
     import torch
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_side_group())
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_side_group(), async_op=True)
+    seconds = sync_timeout()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise SyncTimeout(seconds) from error
     return [int(v) for v in tensor.tolist()]
