@@ -95,6 +95,16 @@ def test_demo_recovers_trains_and_writes_the_timeline(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
 
+def test_demo_with_a_budget_too_small_says_so_without_a_traceback(tmp_path):
+    # Under a 1 KiB address-space limit nothing new can be mapped: a library the host reader
+    # first imported inside the limit failed to load and ended the demo in a traceback.
+    result = memguard("demo", "--budget", "1KiB", "--epochs", "1",
+                      "--plot", str(tmp_path / "small.png"), timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "a 1.0 KiB budget is too small for this demo; try --budget 256MiB" in result.stdout
+
+
 @pytest.mark.slow
 def test_demo_with_tensorflow(tmp_path):
     result = memguard("demo", "--framework", "tensorflow", "--plot", str(tmp_path / "tf.png"),

@@ -279,6 +279,10 @@ def limit_address_space(limit: int) -> int:
     """
     import resource
 
+    # The host backend imports psutil on first use; under a tight limit its shared object
+    # could not be mapped then (an ImportError, not an out-of-memory), so import it first.
+    import psutil  # noqa: F401
+
     with _LIMITS_LOCK:
         if not _OPEN_LIMITS:
             _ORIGINAL[:] = [resource.getrlimit(resource.RLIMIT_AS)]
