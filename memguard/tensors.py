@@ -641,7 +641,8 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     Roots are module globals (``module __main__, global CACHE[3]``), frames (``frame
     train() local 'outputs'``), suspended generators and coroutines (``generator batches()
     local 'x'``, ``generator epoch() yield from batches() local 'x'``), class instances
-    (``Trainer object .history[-1]``, ``__slots__`` included), classes (``class Config
+    that nothing above roots (``Trainer object .history[-1]``, ``__slots__`` included: a
+    walk goes on past an instance to the global or frame holding it), classes (``class Config
     .TABLE``) and closures; the walk goes through dicts (values and keys: ``.keys()[0]``),
     lists, tuples, deques and sets. It is bounded in depth and time, ignores memguard's own
     objects and never raises because of the program's objects: a key whose ``repr`` fails
@@ -764,12 +765,13 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
         pairs.clear()
         del pairs
         frontier = upcoming
-    for found, fallback in zip(paths, instances):
+    for found, fallback in zip(paths, instances, strict=True):
         # an instance whose attribute path no rooted path ends with was rooted nowhere the
         # walk reached: its own form is the best name there is
         found.extend(path for path in dict.fromkeys(fallback)
                      if not any(other.endswith(path.attribute) for other in found))
-    return [[str(path) for path in sorted(found, key=len)[:max_paths]] for found in paths], in_time and not walk.late
+    best = [[str(path) for path in sorted(found, key=len)[:max_paths]] for found in paths]
+    return best, in_time and not walk.late
 
 
 HOLDER_BATCH = 10
