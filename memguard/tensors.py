@@ -641,7 +641,8 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     Roots are module globals (``module __main__, global CACHE[3]``), frames (``frame
     train() local 'outputs'``), suspended generators and coroutines (``generator batches()
     local 'x'``, ``generator epoch() yield from batches() local 'x'``), class instances
-    (``Trainer object .history[-1]``, ``__slots__`` included), classes (``class Config
+    that nothing above roots (``Trainer object .history[-1]``, ``__slots__`` included: a
+    walk goes on past an instance to the global or frame holding it), classes (``class Config
     .TABLE``) and closures; the walk goes through dicts (values and keys: ``.keys()[0]``),
     lists, tuples, deques and sets. It is bounded in depth and time, ignores memguard's own
     objects and never raises because of the program's objects: a key whose ``repr`` fails
@@ -697,12 +698,13 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
     deadline = time.perf_counter() + seconds
     walk = _Walk()
     paths: list[list[str]] = [[] for _ in targets]
+    instances: list[list[_Instance]] = [[] for _ in targets]  # used where no root is found above
     seen = [{id(target)} for target in targets]
     # each entry: (target index, object, path from it to the target, path if it is an
     # instance's __dict__)
     frontier: list[tuple[int, Any, str, Optional[str]]] = [
         (index, target, "", None) for index, target in enumerate(targets)]
-    walk.own.update((id(paths), id(seen), id(frontier), id(targets)))
+    walk.own.update((id(paths), id(seen), id(frontier), id(targets), id(instances)))
     in_time = True
 
     def add(index: int, path: str) -> None:
@@ -744,6 +746,10 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
                 seen[index].add(id(ref))
                 try:
                     root = _root(ref, obj, suffix, as_attribute, walk)
+                    if type(root) is _Instance:  # go on to the name that roots the instance
+                        instances[index].append(root)
+                        upcoming.append((index, ref, root.attribute, None))
+                        continue
                     if root is not None:
                         add(index, root)
                         continue
@@ -759,7 +765,13 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
         pairs.clear()
         del pairs
         frontier = upcoming
-    return [sorted(found, key=len)[:max_paths] for found in paths], in_time and not walk.late
+    for found, fallback in zip(paths, instances, strict=True):
+        # an instance whose attribute path no rooted path ends with was rooted nowhere the
+        # walk reached: its own form is the best name there is
+        found.extend(path for path in dict.fromkeys(fallback)
+                     if not any(other.endswith(path.attribute) for other in found))
+    best = [[str(path) for path in sorted(found, key=len)[:max_paths]] for found in paths]
+    return best, in_time and not walk.late
 
 
 HOLDER_BATCH = 10
@@ -904,7 +916,19 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
     for slot in _MODULE_SLOTS:  # torch modules: .weight rather than ._parameters['weight']
         if attribute.startswith(f".{slot}["):
             attribute = "." + attribute[len(slot) + 3:].replace("']", "", 1)
-    return f"{_type_name(kind)} object {attribute}"
+    return _Instance(f"{_type_name(kind)} object {attribute}", attribute)
+
+
+class _Instance(str):
+    """An instance's attribute path (``Holder object .t``): the walk goes on past it to the
+    name that roots the instance, and keeps this form only when it finds none."""
+
+    attribute: str
+
+    def __new__(cls, text: str, attribute: str) -> "_Instance":
+        made = super().__new__(cls, text)
+        made.attribute = attribute
+        return made
 
 
 def _instance_dict(owner: Any) -> Optional[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import re
 
@@ -121,7 +122,7 @@ def test_a_referrer_whose_class_attribute_raises_is_passed_over():
     proxy = Proxy(torch.ones(7, 6))
     found = holders(proxy.target)  # before: LookupError from isinstance
     del proxy  # pytest would read its __class__ to show it
-    assert any(path.endswith("Proxy object .target") for path in found), found
+    assert any(path.endswith("local 'proxy'.target") for path in found), found
 
 
 def test_a_census_leaves_out_a_tensor_subclass_that_raises_on_every_read():
@@ -167,8 +168,9 @@ def test_holder_is_a_class_attribute():
 
 def test_holder_is_a_slotted_instance():
     kept = Slotted(torch.ones(13, 3))
-    assert "Slotted object .weights" in holders(kept.weights)
-    assert "Slotted object ._Slotted__private" in holders(kept._Slotted__private)
+    name = "frame test_holder_is_a_slotted_instance() local 'kept'"
+    assert f"{name}.weights" in holders(kept.weights)
+    assert f"{name}._Slotted__private" in holders(kept._Slotted__private)
 
 
 def test_holder_is_a_deque():
@@ -182,7 +184,7 @@ def test_holder_is_a_dict_key():
     BY_KEY[StepKey(4, torch.ones(13, 8))] = "seen"
     by_tuple, by_object = list(BY_KEY)
     assert f"module {__name__}, global BY_KEY.keys()[0][0]" in holders(by_tuple[0])
-    assert "StepKey object .mask" in holders(by_object.mask)
+    assert f"module {__name__}, global BY_KEY.keys()[1].mask" in holders(by_object.mask)
 
 
 def numbers():
@@ -251,8 +253,46 @@ def test_the_nearest_holders_are_found_whatever_the_time_allowed():
     NEAREST.append(torch.ones(13, 10))
     kept = Slotted(torch.ones(13, 11))
     assert f"module {__name__}, global NEAREST[0]" in find_holders(NEAREST[0], seconds=0)
-    assert "Slotted object .weights" in find_holders(kept.weights, seconds=0)
+    name = "frame test_the_nearest_holders_are_found_whatever_the_time_allowed() local 'kept'"
+    assert f"{name}.weights" in find_holders(kept.weights, seconds=0)
     NEAREST.clear()
 
 
 NEAREST: list = []
+
+
+class Holder:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.t = tensor
+
+
+REGISTRY: dict = {}
+MODEL = torch.nn.Sequential(torch.nn.Linear(3, 2))
+
+
+def test_an_instance_is_named_by_the_global_that_roots_it():
+    # before: "Holder object .t", a path that names nothing the program can delete
+    REGISTRY["run1"] = Holder(torch.ones(13, 12))
+    found = find_holders(REGISTRY["run1"].t)
+    REGISTRY.clear()
+    assert f"module {__name__}, global REGISTRY['run1'].t" in found, found
+
+
+def test_a_module_in_a_model_is_named_by_the_global_that_roots_it():
+    # before: "Linear object .weight"
+    found = find_holders(MODEL[0].weight)
+    assert f"module {__name__}, global MODEL.0.weight" in found, found
+
+
+def test_an_instance_rooted_nowhere_keeps_its_own_form():
+    # an instance kept only by a cycle through itself: no name above it, so its own form
+    gc.disable()  # keep the cycle until the walk has read it
+    try:
+        cycle = Holder(torch.ones(13, 13))
+        cycle.me = cycle
+        tensor = cycle.t
+        del cycle
+        found = find_holders(tensor)
+    finally:
+        gc.enable()
+    assert "Holder object .t" in found, found

@@ -170,9 +170,10 @@ def test_holder_of_an_instance_attribute_and_of_a_module_parameter():
     trainer.step()
     trainer.step()
     holders = find_holders(trainer.history[-1], seconds=10)
-    assert "Trainer object .history[-1]" in holders
+    frame = "frame test_holder_of_an_instance_attribute_and_of_a_module_parameter()"
+    assert f"{frame} local 'trainer'.history[-1]" in holders
     model = torch.nn.Linear(3, 2)
-    assert "Linear object .weight" in find_holders(model.weight, seconds=10)
+    assert f"{frame} local 'model'.weight" in find_holders(model.weight, seconds=10)
 
 
 def test_holder_through_a_dict_and_a_closure():
@@ -200,7 +201,8 @@ def test_scope_names_leaked_tensors_and_their_holders():
         leaks = scope.leaks
         assert [leak.shape for leak in leaks[:2]] == [(10240, 1024), (256, 1024)]
         assert leaks[0].holders[0] == f"module {__name__}, global CACHE[0]"
-        assert "Trainer object .history[0]" in leaks[1].holders
+        assert ("frame test_scope_names_leaked_tensors_and_their_holders() local "
+                "'trainer'.history[0]") in leaks[1].holders
         text = str(scope)
         assert (f"retained {memguard.format_bytes(scope.retained['host'])} on host: "
                 f"float32[10240, 1024] held by module {__name__}, global CACHE[0]") in text
