@@ -101,6 +101,7 @@ class Attempt:
     memory: Optional[MemorySnapshot] = None
     snapshot_path: Optional[str] = None
     next_size: Optional[int] = None
+    recompute: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
@@ -116,6 +117,8 @@ class Attempt:
             steps = f" ({self.steps} slices)"
         else:
             steps = f" x{self.steps} steps"
+        if self.recompute:
+            steps += " with recompute"
         if self.ok:
             return f"{name}={self.size}{steps}: ok in {self.seconds:.3f} s"
         upcoming = "" if self.next_size is None else f"; next {name}={self.next_size}"
