@@ -83,6 +83,8 @@ class Attempt:
             (``oom_retry(snapshot_dir=...)``).
         next_size: the size the next attempt runs at after this one failed (``None`` for a
             success, and for a failure after which no smaller size was tried).
+        recompute: ``auto_microbatch`` ran this pass with the model's activations
+            recomputed in backward (its rung below one sample).
 
     >>> from memguard import Attempt
     >>> str(Attempt(size=64, ok=True, seconds=0.5))
