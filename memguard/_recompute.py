@@ -90,15 +90,23 @@ def recomputing(model: Any) -> Iterator[str]:
     hf = callable(getattr(inner, "gradient_checkpointing_enable", None)) \
         and getattr(inner, "supports_gradient_checkpointing", False)
     if hf:
-        if getattr(inner, "is_gradient_checkpointing", False):
+        if getattr(inner, "is_gradient_checkpointing", False) \
+                or getattr(inner, "is_activation_checkpointing", False):
             yield "the model's own gradient checkpointing (already on)"
             return
-        inner.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        if callable(getattr(inner, "activation_checkpointing_enable", None)):
+            # newer transformers: the same switch under its new name
+            inner.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
+            off = inner.activation_checkpointing_disable
+        else:
+            inner.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            off = inner.gradient_checkpointing_disable
         try:
-            yield "the model's gradient_checkpointing_enable()"
+            yield "the model's gradient checkpointing"
         finally:
-            inner.gradient_checkpointing_disable()
+            off()
         return
     blocks = _blocks(inner)
     saved: list[tuple[Any, bool, Any]] = []

@@ -14,8 +14,6 @@ import pytest
 
 from budget import ENV, script
 
-pytestmark = pytest.mark.slow
-
 RECOMPUTE = """
 import copy
 import logging
@@ -167,6 +165,7 @@ finish(result)
 """
 
 
+@pytest.mark.slow
 def test_one_sample_too_long_runs_with_recompute_and_plain_torch_gradients(
         python_in_subprocess):
     out = python_in_subprocess(script(RECOMPUTE), env=ENV, timeout=600)
@@ -185,3 +184,54 @@ def test_one_sample_too_long_runs_with_recompute_and_plain_torch_gradients(
     assert out["off_restored"]
     assert out["interrupt"] == "raised" and out["interrupt_restored"]
     assert any("recomputed" in m for m in out["log"]), out["log"]
+
+
+def test_a_hugging_face_model_uses_its_own_checkpointing_for_the_batch_only():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from memguard import _recompute
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                     n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(3)  # dropout: the same masks in both runs
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    with _recompute.recomputing(model) as what:
+        assert model.is_gradient_checkpointing
+        recomputed = grads()
+    assert "gradient checkpointing" in what
+    assert not model.is_gradient_checkpointing  # off again after the batch
+    pairs = zip(plain, recomputed, strict=True)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
+
+
+def test_blocks_get_their_forwards_back_after_an_error():
+    torch = pytest.importorskip("torch")
+    from memguard import _recompute
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 1))
+    blocks = list(model.children())
+    x = torch.randn(3, 4)
+    seen = []
+
+    def interrupted() -> None:
+        with _recompute.recomputing(model) as what:
+            seen.append(what)
+            seen.append(all("forward" in vars(b) for b in blocks))
+            model(x).sum().backward()
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        interrupted()
+    assert seen == ["3 blocks checkpointed", True]  # the inner Sequential inside its own
+    assert all("forward" not in vars(b) for b in blocks)
+    assert not _recompute.available(torch.nn.Linear(4, 4))  # nothing to checkpoint
