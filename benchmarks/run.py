@@ -24,13 +24,14 @@ from benchmarks import (
     lightning_microbatch,
     microbatch,
     oom,
+    recompute,
     restore,
 )
 from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
        + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS
-       + hf_trainer.BENCHMARKS + lightning_microbatch.BENCHMARKS)
+       + hf_trainer.BENCHMARKS + lightning_microbatch.BENCHMARKS + recompute.BENCHMARKS)
 
 
 def machine() -> dict:

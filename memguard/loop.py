@@ -83,6 +83,8 @@ class Attempt:
             (``oom_retry(snapshot_dir=...)``).
         next_size: the size the next attempt runs at after this one failed (``None`` for a
             success, and for a failure after which no smaller size was tried).
+        recompute: ``auto_microbatch`` ran this pass with the model's activations
+            recomputed in backward (its rung below one sample).
 
     >>> from memguard import Attempt
     >>> str(Attempt(size=64, ok=True, seconds=0.5))
@@ -101,6 +103,7 @@ class Attempt:
     memory: Optional[MemorySnapshot] = None
     snapshot_path: Optional[str] = None
     next_size: Optional[int] = None
+    recompute: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
@@ -116,6 +119,8 @@ class Attempt:
             steps = f" ({self.steps} slices)"
         else:
             steps = f" x{self.steps} steps"
+        if self.recompute:
+            steps += " with recompute"
         if self.ok:
             return f"{name}={self.size}{steps}: ok in {self.seconds:.3f} s"
         upcoming = "" if self.next_size is None else f"; next {name}={self.next_size}"

@@ -37,6 +37,7 @@ one size, and the gradients are reduce-scattered once after the last pass.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -54,6 +55,7 @@ from typing import (
     TypeVar,
 )
 
+from . import _recompute
 from ._checks import optional_positive_int, renamed
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
@@ -118,7 +120,8 @@ class MicrobatchedFunction(Protocol[P, R_co]):
 class _Config:
     def __init__(self, func: Callable[..., Any], model: Any, policy: Policy, reduction: str,
                  grow_every: Optional[int], scaler: Any, sharded: bool,
-                 weight: Optional[Callable[[Any], Any]] = None) -> None:
+                 weight: Optional[Callable[[Any], Any]] = None,
+                 recompute: bool = True) -> None:
         self.name = name_of(func)
         self.called = f"{self.name}()"
         target = getattr(func, "__func__", func)
@@ -130,6 +133,7 @@ class _Config:
         self.policy = policy
         self.reduction = reduction
         self.weight = weight
+        self.recompute = recompute
         self.grow_every = grow_every
         self.scaler = scaler
         # FSDP's forward gathers parameters into tensors of its own: they are the graph's
@@ -261,6 +265,7 @@ class _Step(Loop):
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
         self.fallback = None
+        self.recomputing = False  # this batch's passes recompute activations (see _recompute)
         if found is None:
             params, slots = training.trained(cfg.model)
             hooked = training.fused_steps(params, cfg.ddp)
@@ -525,6 +530,12 @@ class _Step(Loop):
 
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
+        if self.recomputing:
+            with _recompute.recomputing(self.cfg.model):
+                return self._slices(wrapped, args, kwargs)
+        return self._slices(wrapped, args, kwargs)
+
+    def _slices(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         cfg, n = self.cfg, self.samples
         self.stopped = False
         if self.slices() == 1:
@@ -640,7 +651,24 @@ class _Step(Loop):
         if self.fallback is not None:  # a larger size tried after clean steps: step back
             size, self.fallback = self.fallback, None
             return size
-        return super().propose(estimate)
+        upcoming = super().propose(estimate)
+        cfg, policy = self.cfg, self.cfg.policy
+        if upcoming is None and cfg.recompute and not self.recomputing and not cfg.sharded \
+                and self.size <= policy.min_batch_size \
+                and (policy.max_attempts is None or self.tries < policy.max_attempts) \
+                and _recompute.available(cfg.model):
+            # the last rung: the same slices, their activations recomputed in backward
+            self.recomputing = True
+            log.warning("%s: out of memory at microbatch_size=%d, the smallest; redoing "
+                        "this batch with its activations recomputed (gradient "
+                        "checkpointing of the model's blocks)", cfg.name, self.size)
+            return self.size
+        return upcoming
+
+    def record(self, attempt: Attempt) -> None:
+        if self.recomputing:
+            attempt = dataclasses.replace(attempt, recompute=True)
+        super().record(attempt)
 
     def after_oom(self, agreed: int) -> Optional[int]:
         if self.watching:  # every rank runs the same slices: FSDP's collectives pair up
@@ -779,7 +807,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                     on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
                     reduction: Reduction = "mean",
                     weight: Optional[Callable[[Any], Any]] = None,
-                    grow_every: Optional[int] = None, scaler: Any = None
+                    grow_every: Optional[int] = None, scaler: Any = None,
+                    recompute: bool = True
                     ) -> Callable[[Callable[P, R_co]], MicrobatchedFunction[P, R_co]]:
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
@@ -853,6 +882,12 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
             most the batch), stepping back at once if it fails; ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward.
+        recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
+            batch once more with its activations recomputed in backward (the children of
+            the model's ``ModuleList`` and ``Sequential`` containers under non-reentrant
+            ``torch.utils.checkpoint``, or a Hugging Face model's
+            ``gradient_checkpointing_enable()``), for that batch only; the attempts it ran
+            have ``recompute=True``. ``False``: give up there.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole
@@ -908,7 +943,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         if kind != "sync":
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
-        cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight)
+        cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight,
+                      bool(recompute))
         state = _State()
         lock = _model_lock(model)
 

@@ -43,7 +43,7 @@ log = logging.getLogger("memguard")
 MICROBATCH_KEY = "memory/microbatch_size"
 #: ``auto_microbatch``'s options that ``MemguardCallback(microbatch=True, ...)`` passes on.
 MICROBATCH_OPTIONS = ("min_batch_size", "factor", "max_attempts", "on_retry", "sync",
-                      "reduction", "weight", "grow_every")
+                      "reduction", "weight", "grow_every", "recompute")
 
 
 class MemguardCallback(CallbackBase, _pl.Callback):
@@ -80,7 +80,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             gradients (see below). Needs automatic optimisation.
         **options: with ``microbatch=True``, :func:`memguard.auto_microbatch`'s options:
             ``min_batch_size``, ``factor``, ``max_attempts``, ``on_retry``, ``sync``,
-            ``reduction``, ``weight`` and ``grow_every``.
+            ``reduction``, ``weight``, ``grow_every`` and ``recompute``.
 
     With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
     runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)

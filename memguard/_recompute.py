@@ -1,0 +1,124 @@
+"""The recompute rung of :func:`memguard.auto_microbatch`: when a slice of
+``min_batch_size`` still runs out of memory, that batch's passes keep fewer activations.
+
+The model's repeated blocks (the children of its ``ModuleList``\\ s and ``Sequential``\\ s,
+outermost first) run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+for those passes only: their activations are recomputed in backward instead of kept. A
+Hugging Face model's own ``gradient_checkpointing_enable()`` is used where it has one. The
+forwards are put back when the passes end, whatever ends them.
+
+Exactness: non-reentrant checkpointing restores the RNG state before it recomputes
+(Dropout draws the same masks), and the persistent buffers a block moves in forward
+(BatchNorm's running statistics) are put back after the recomputation, so they move once,
+as in a plain pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+
+def _inner(model: Any) -> Any:
+    """The module under DDP's wrapper."""
+    return getattr(model, "module", model) if type(model).__name__ == \
+        "DistributedDataParallel" else model
+
+
+def _blocks(model: Any) -> list[Any]:
+    """The children of the model's containers, none inside another one listed."""
+    import torch
+
+    found: list[Any] = []
+    taken: set[int] = set()
+
+    def visit(module: Any) -> None:
+        for child in module.children():
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) \
+                    and id(child) not in taken and any(True for _ in child.parameters()):
+                taken.add(id(child))
+                found.append(child)
+                continue  # its own containers run inside its checkpoint
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _checkpointed(block: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        calls = [0]
+
+        def body(*inner: Any, **inner_kw: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                return forward(*inner, **inner_kw)
+            # the recomputation: what forward moved in the buffers is put back after it
+            with torch.no_grad():
+                kept = [(b, b.detach().clone()) for b in block.buffers()]
+            try:
+                return forward(*inner, **inner_kw)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in kept:
+                        buffer.copy_(value)
+
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def available(model: Any) -> bool:
+    """Whether the model has blocks to recompute (or its own gradient checkpointing)."""
+    inner = _inner(model)
+    if callable(getattr(inner, "gradient_checkpointing_enable", None)) \
+            and getattr(inner, "supports_gradient_checkpointing", False):
+        return True
+    return bool(_blocks(inner))
+
+
+@contextlib.contextmanager
+def recomputing(model: Any) -> Iterator[str]:
+    """While inside: the model's blocks recompute their activations in backward. Yields
+    what was checkpointed, for the log."""
+    inner = _inner(model)
+    hf = callable(getattr(inner, "gradient_checkpointing_enable", None)) \
+        and getattr(inner, "supports_gradient_checkpointing", False)
+    if hf:
+        if getattr(inner, "is_gradient_checkpointing", False) \
+                or getattr(inner, "is_activation_checkpointing", False):
+            yield "the model's own gradient checkpointing (already on)"
+            return
+        if callable(getattr(inner, "activation_checkpointing_enable", None)):
+            # newer transformers: the same switch under its new name
+            inner.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
+            off = inner.activation_checkpointing_disable
+        else:
+            inner.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            off = inner.gradient_checkpointing_disable
+        try:
+            yield "the model's gradient checkpointing"
+        finally:
+            off()
+        return
+    blocks = _blocks(inner)
+    saved: list[tuple[Any, bool, Any]] = []
+    try:
+        for block in blocks:
+            own = "forward" in vars(block)
+            saved.append((block, own, vars(block).get("forward")))
+            block.forward = _checkpointed(block, block.forward)
+        yield f"{len(blocks)} blocks checkpointed"
+    finally:
+        for block, own, forward in reversed(saved):
+            if own:
+                block.forward = forward
+            else:
+                del block.forward

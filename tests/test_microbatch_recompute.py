@@ -1,0 +1,237 @@
+"""auto_microbatch's recompute rung under a real memory budget (a soft RLIMIT_AS in a
+subprocess): one sample that does not fit even alone runs with its blocks' activations
+recomputed in backward, with the gradients of plain torch's unbudgeted step.
+
+The model: 12 residual blocks (Linear 256 -> 1024 -> 256) on one sample of 8,192 positions,
+about 968 MiB at its peak in a plain pass and about 396 MiB with each block checkpointed;
+the budget is 700 MiB. The references run after the budget is lifted (large tensors freed
+before the budget would raise glibc's mmap threshold and leave the heap fragmented).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from budget import ENV, script
+
+RECOMPUTE = """
+import copy
+import logging
+import torch
+import memguard
+torch.set_num_threads(1)
+
+class Block(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.up = torch.nn.Linear(256, 1024)
+        self.down = torch.nn.Linear(1024, 256)
+        self.drop = torch.nn.Dropout(0.1) if norm else torch.nn.Identity()
+        self.norm = torch.nn.BatchNorm1d(256) if norm else None
+
+    def forward(self, x):
+        y = x + self.down(self.drop(torch.nn.functional.gelu(self.up(x))))
+        if self.norm is not None:
+            y = self.norm(y.transpose(1, 2)).transpose(1, 2)
+        return y
+
+def make(norm, container):
+    torch.manual_seed(0)
+    blocks = [Block(norm) for _ in range(12)]
+    if container == "list":
+        class Stack(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(blocks)
+                self.head = torch.nn.Linear(256, 1)
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return self.head(x)
+        return Stack()
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(256, 1))
+
+def sample(positions, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, positions, 256, generator=g), torch.randn(1, positions, 1, generator=g)
+
+def loss_fn(model, b):
+    torch.manual_seed(7)  # the same Dropout masks in every pass, and in the reference
+    x, y = b
+    return torch.nn.functional.mse_loss(model(x), y)
+
+def reference_grads(norm, container, b):
+    model = make(norm, container)
+    loss_fn(model, b).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = [t.clone() for t in model.buffers()]
+    del model
+    memguard.free_memory()
+    return grads, buffers
+
+def relative(a, b):
+    return max(((p - q).norm() / q.norm().clamp_min(1e-30)).item() for p, q in zip(a, b))
+
+messages = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("memguard").addHandler(Keep())
+
+big = sample(8192)
+small = sample(1024, seed=2)
+CASES = [(False, "sequential"), (False, "list"), (True, "sequential")]
+got = {}
+
+# warm the allocator and autograd up on a small sample, then the budget
+warm = make(False, "sequential")
+loss_fn(warm, sample(64)).backward()
+del warm
+memguard.free_memory()
+set_budget(700)
+
+result = {}
+# plain torch: out of memory
+plain = make(False, "sequential")
+try:
+    loss_fn(plain, big).backward()
+    result["plain"] = "fit"
+except RuntimeError as exc:
+    result["plain"] = "oom" if memguard.is_oom_error(exc) else repr(exc)
+del plain
+memguard.free_memory()
+
+for norm, container in CASES:
+    model = make(norm, container)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+
+    @memguard.auto_microbatch(model)
+    def step(b):
+        return loss_fn(model, b)
+
+    step(big)
+    key = f"{container}{'-norm' if norm else ''}"
+    got[key] = ([p.grad.clone() for p in model.parameters()],
+                [t.clone() for t in model.buffers()])
+    result[key] = {
+        "history": [[a.size, a.ok, a.recompute] for a in step.history],
+        "restored": all("forward" not in vars(b) for b in blocks),
+    }
+    if key == "sequential":
+        # a sample that fits: a plain pass, nothing recomputed
+        model.zero_grad()
+        step(small)
+        got["small"] = ([p.grad.clone() for p in model.parameters()], [])
+        result["small"] = {"history": [[a.size, a.ok, a.recompute] for a in step.history]}
+        # the rung turned off: the error as before
+        model.zero_grad()
+        off = memguard.auto_microbatch(model, recompute=False)(step.__wrapped__)
+        try:
+            off(big)
+            result["off"] = "fit"
+        except memguard.OutOfMemoryError as exc:
+            result["off"] = str(exc)
+        result["off_restored"] = all(p.grad is None for p in model.parameters())
+
+        # Ctrl-C inside the recomputed pass: the forwards are put back
+        calls = []
+        @memguard.auto_microbatch(model)
+        def interrupted(b):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return loss_fn(model, b)
+        try:
+            interrupted(big)
+            result["interrupt"] = "ran"
+        except KeyboardInterrupt:
+            result["interrupt"] = "raised"
+        result["interrupt_restored"] = all("forward" not in vars(b) for b in blocks)
+    del model, step
+    memguard.free_memory()
+
+lift_budget()
+# the references: plain torch, whole, without a budget
+for norm, container in CASES:
+    key = f"{container}{'-norm' if norm else ''}"
+    grads, buffers = reference_grads(norm, container, big)
+    result[key]["grad"] = relative(got[key][0], grads)
+    result[key]["buffers"] = relative([t.float() for t in got[key][1]],
+                                      [t.float() for t in buffers]) if buffers else 0.0
+result["small"]["grad"] = relative(got["small"][0],
+                                   reference_grads(False, "sequential", small)[0])
+result["log"] = [m for m in messages if "recompute" in m]
+finish(result)
+"""
+
+
+@pytest.mark.slow
+def test_one_sample_too_long_runs_with_recompute_and_plain_torch_gradients(
+        python_in_subprocess):
+    out = python_in_subprocess(script(RECOMPUTE), env=ENV, timeout=600)
+    assert out["plain"] == "oom", out  # the budget is real: plain torch does not fit
+    for key in ("sequential", "list", "sequential-norm"):
+        row = out[key]
+        # the plain pass of one sample ran out, the recomputed one fitted
+        assert row["history"] == [[1, False, False], [1, True, True]], (key, row)
+        assert row["grad"] < 1e-5, (key, row)
+        assert row["buffers"] < 1e-5, (key, row)  # BatchNorm's statistics moved once
+        assert row["restored"], key
+    # a sample that fits runs plain afterwards
+    assert out["small"]["history"] == [[1, True, False]], out["small"]
+    assert out["small"]["grad"] < 1e-5
+    assert "Not even one sample" in out["off"] or "microbatch_size=1" in out["off"], out["off"]
+    assert out["off_restored"]
+    assert out["interrupt"] == "raised" and out["interrupt_restored"]
+    assert any("recomputed" in m for m in out["log"]), out["log"]
+
+
+def test_a_hugging_face_model_uses_its_own_checkpointing_for_the_batch_only():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from memguard import _recompute
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                     n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 100, (2, 16))
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(3)  # dropout: the same masks in both runs
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    with _recompute.recomputing(model) as what:
+        assert model.is_gradient_checkpointing
+        recomputed = grads()
+    assert "gradient checkpointing" in what
+    assert not model.is_gradient_checkpointing  # off again after the batch
+    pairs = zip(plain, recomputed, strict=True)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
+
+
+def test_blocks_get_their_forwards_back_after_an_error():
+    torch = pytest.importorskip("torch")
+    from memguard import _recompute
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 1))
+    blocks = list(model.children())
+    x = torch.randn(3, 4)
+    seen = []
+
+    def interrupted() -> None:
+        with _recompute.recomputing(model) as what:
+            seen.append(what)
+            seen.append(all("forward" in vars(b) for b in blocks))
+            model(x).sum().backward()
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        interrupted()
+    assert seen == ["3 blocks checkpointed", True]  # the inner Sequential inside its own
+    assert all("forward" not in vars(b) for b in blocks)
+    assert not _recompute.available(torch.nn.Linear(4, 4))  # nothing to checkpoint
