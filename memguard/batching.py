@@ -8,9 +8,9 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Generic, Iterable, Literal, Optional, TypeVar, Union, overload
 
-from ._checks import fraction, positive_int, renamed
+from ._checks import fraction, positive_int
 from ._slices import Plan, plan_batch
 from .backends import resolve_devices, torch_state
 from .backends.budget import available as budget_available, watched_devices
@@ -24,6 +24,7 @@ from .sizes import AUTO_MARGIN, MemoryFit
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")
+C = TypeVar("C")
 Mode = Literal["binsearch", "power", "predict"]
 
 # sizes found with cache=True, for the life of the process
@@ -194,7 +195,6 @@ _SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
                                        "predict": _Predict}
 
 
-@renamed(max_trials="max_attempts")
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
                     steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,
@@ -444,7 +444,7 @@ def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
     return size
 
 
-class BatchResults(list):
+class BatchResults(list[T], Generic[T]):
     """The list :func:`map_batches` returns (without ``collate``): one result per call of
     ``fn``, in order, and ``history``, the :class:`Attempt` records of its retries (one per
     out-of-memory, and one for the size that worked next).
@@ -457,7 +457,8 @@ class BatchResults(list):
     ([1, 2], [])
     """
 
-    def __init__(self, items: Any = (), history: Optional[list[Attempt]] = None) -> None:
+    def __init__(self, items: Iterable[T] = (), history: Optional[list[Attempt]] = None
+                 ) -> None:
         super().__init__(items)
         self.history: list[Attempt] = [] if history is None else history
 
@@ -546,11 +547,26 @@ class _Mapper:
             self.results.extend(segment.results)
 
 
+@overload
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
                 max_attempts: Optional[int] = None,
                 on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
-                collate: Optional[Callable[[list[T]], Any]] = None) -> Any:
+                collate: None = None) -> BatchResults[T]: ...
+@overload
+def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
+                min_batch_size: int = 1, factor: Factor = 0.5,
+                max_attempts: Optional[int] = None,
+                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                collate: Callable[[list[T]], C]) -> C: ...
+
+
+def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
+                min_batch_size: int = 1, factor: Factor = 0.5,
+                max_attempts: Optional[int] = None,
+                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                collate: Optional[Callable[[list[T]], C]] = None
+                ) -> Union[BatchResults[T], C]:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.
 
     ``data`` is one of:

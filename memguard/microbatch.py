@@ -45,6 +45,7 @@ import weakref
 from typing import (
     Any,
     Callable,
+    Concatenate,
     ContextManager,
     Iterator,
     Literal,
@@ -52,9 +53,10 @@ from typing import (
     ParamSpec,
     Protocol,
     TypeVar,
+    overload,
 )
 
-from ._checks import optional_positive_int, renamed
+from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
@@ -80,6 +82,10 @@ from .sizes import Gauge
 log = logging.getLogger("memguard")
 P = ParamSpec("P")
 R_co = TypeVar("R_co", covariant=True)
+Q = ParamSpec("Q")
+R = TypeVar("R")
+S = TypeVar("S")
+W = TypeVar("W")
 Reduction = Literal["mean", "sum"]
 
 
@@ -103,6 +109,13 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     """
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    # a decorated method, read from an instance, is bound as the function would be
+    @overload
+    def __get__(self: W, instance: None, owner: Any, /) -> W: ...
+    @overload
+    def __get__(self: MicrobatchedFunction[Concatenate[S, Q], R], instance: S, owner: Any, /
+                ) -> MicrobatchedFunction[Q, R]: ...
 
     @property
     def microbatch_size(self) -> Optional[int]: ...
@@ -773,7 +786,6 @@ def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     return remembered is None or remembered >= (plan.length or 0)
 
 
-@renamed(min_size="min_batch_size")
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
                     on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",

@@ -9,7 +9,18 @@ import inspect
 import logging
 import math
 import os
-from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Concatenate,
+    Literal,
+    Optional,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    Union,
+    overload,
+)
 
 from ._decorate import function_kind, name_of, with_statistics
 from .backends import torch_state
@@ -20,14 +31,24 @@ from .loop import Attempt, Factor, GuardState, Loop, Policy
 from .sizefile import SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
+P = ParamSpec("P")
+Q = ParamSpec("Q")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")
+W = TypeVar("W")
 RestoreTo = Literal["auto", "memory", "file"]
 
 
-class RetryingFunction(Protocol[R_co]):
+class RetryingFunction(Protocol[P, R_co]):
     """What ``@oom_retry`` returns: the function, called as before (the batch size may be
     left out: the decorator passes it), returning what it returns, with its statistics.
+
+    For a type checker it keeps the decorated function's parameters ``P`` and return type
+    ``R_co``: a call is checked against them, a method's ``self`` is bound, and a call with
+    no argument at all (the size, the only parameter, left to the decorator) is accepted too.
+    A function with other parameters whose size parameter has no default is called with the
+    size given, or declares a default for it (``batch_size: int = 64``).
 
     Attributes:
         history: the last call's :class:`Attempt` records.
@@ -42,7 +63,17 @@ class RetryingFunction(Protocol[R_co]):
 
     """
 
-    def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
+    @overload
+    def __call__(self) -> R_co: ...
+    @overload
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    # a decorated method, read from an instance, is bound as the function would be
+    @overload
+    def __get__(self: W, instance: None, owner: Any, /) -> W: ...
+    @overload
+    def __get__(self: RetryingFunction[Concatenate[S, Q], R], instance: S, owner: Any, /
+                ) -> RetryingFunction[Q, R]: ...
 
     @property
     def history(self) -> list[Attempt]: ...
@@ -262,7 +293,7 @@ def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
 
 
 @overload
-def oom_retry(func: Callable[..., R], /) -> RetryingFunction[R]: ...
+def oom_retry(func: Callable[P, R], /) -> RetryingFunction[P, R]: ...
 
 
 @overload
@@ -275,10 +306,10 @@ def oom_retry(func: None = None, /, *, batch_size: Optional[int] = None,
               cache: Union[bool, str, "os.PathLike[str]"] = True,
               snapshot_dir: Optional[str] = None, restore: Any = None,
               restore_to: RestoreTo = "auto"
-              ) -> Callable[[Callable[..., R]], RetryingFunction[R]]: ...
+              ) -> Callable[[Callable[P, R]], RetryingFunction[P, R]]: ...
 
 
-def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
+def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
               batch_size: Optional[int] = None, arg: str = "batch_size",
               min_batch_size: int = 1, factor: Factor = 0.5,
               max_attempts: Optional[int] = None,
@@ -287,7 +318,9 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
               snapshot_dir: Optional[str] = None, restore: Any = None,
-              restore_to: RestoreTo = "auto") -> Any:
+              restore_to: RestoreTo = "auto"
+              ) -> Union[RetryingFunction[P, R],
+                         Callable[[Callable[P, R]], RetryingFunction[P, R]]]:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -393,9 +426,10 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore, restore_to)
 
-    def decorate(f: Callable[..., Any]) -> Any:
+    def decorate(f: Callable[P, R]) -> RetryingFunction[P, R]:
         cfg = _Config(f, batch_size, arg, policy, keep_effective_batch, accumulation_arg,
                       cache, snapshot_dir, objects)
-        return _wrap(f, cfg)
+        wrapped: RetryingFunction[P, R] = _wrap(f, cfg)
+        return wrapped
 
     return decorate if func is None else decorate(func)

@@ -12,9 +12,9 @@ import gc
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, overload
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
-from ._checks import flag, positive_int, renamed
+from ._checks import flag, positive_int
 from ._decorate import function_kind, guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
@@ -390,8 +390,9 @@ def memory_scope(name: Optional[str] = None, *, devices: Devices = None,
                  track_tensors: bool = False) -> MemoryScope: ...
 
 
-def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup = "auto",
-                 max_leak: Optional[Size] = None, track_tensors: bool = False) -> Any:
+def memory_scope(name: Union[str, F, None] = None, *, devices: Devices = None,
+                 cleanup: Cleanup = "auto", max_leak: Optional[Size] = None,
+                 track_tensors: bool = False) -> Union[MemoryScope, F]:
     """Measure a block's memory and clean up after it; a context manager and a decorator.
 
     On entry it snapshots every watched device (``devices``: a name, a list, or all active
@@ -608,10 +609,17 @@ class _Call:
         return over
 
 
-@renamed(policy="cleanup")
+@overload
+def frees_memory(func: F, /) -> F: ...
+@overload
+def frees_memory(func: None = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
+                 max_leak: Optional[Size] = None, warmup: int = 1,
+                 track_tensors: bool = False) -> Callable[[F], F]: ...
+
+
 def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
                  max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False) -> Any:
+                 track_tensors: bool = False) -> Union[F, Callable[[F], F]]:
     """Clean up after every call (or every ``every``-th call) of the decorated function.
 
     Works as ``@frees_memory`` and ``@frees_memory(...)`` on functions, methods,
