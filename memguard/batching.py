@@ -198,7 +198,7 @@ _SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
                     steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,
-                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     cache: Union[bool, str, "os.PathLike[str]"] = False,
                     restore: Any = None) -> BatchSize:
     """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
@@ -551,20 +551,20 @@ class _Mapper:
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
                 max_attempts: Optional[int] = None,
-                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
                 collate: None = None) -> BatchResults[T]: ...
 @overload
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
                 max_attempts: Optional[int] = None,
-                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
                 collate: Callable[[list[T]], C]) -> C: ...
 
 
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
                 max_attempts: Optional[int] = None,
-                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
                 collate: Optional[Callable[[list[T]], C]] = None
                 ) -> Union[BatchResults[T], C]:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.

@@ -241,7 +241,7 @@ class Policy:
     min_batch_size: int = 1
     factor: Factor = 0.5
     max_attempts: Optional[int] = None
-    on_retry: Optional[Callable[[Attempt], Any]] = None
+    on_retry: Optional[Callable[[Attempt], object]] = None
     sync: Sync = "auto"
 
     @classmethod
@@ -704,7 +704,7 @@ class Attempts(Loop):
 
 def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
              max_attempts: Optional[int] = None,
-             on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+             on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
              name: str = "attempts") -> Attempts:
     """Retry a block of code at a smaller batch size when it runs out of memory: the block
     form of :func:`oom_retry`, for code that is not a function.

@@ -788,7 +788,7 @@ def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
 
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
-                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     reduction: Reduction = "mean",
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None

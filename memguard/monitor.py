@@ -7,7 +7,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ._checks import positive_int, positive_number
 from ._events import listen, unlisten
@@ -15,6 +15,9 @@ from ._locks import ForkSafeLock
 from .backends import UNKNOWN, DeviceMemory, Devices, Reading, resolve_devices
 from .backends.host import HOST, address_space
 from .cleanup import Pairs, Readings
+
+if TYPE_CHECKING:  # matplotlib is optional (the plot extra), imported by figure() itself
+    from matplotlib.figure import Figure
 
 log = logging.getLogger("memguard")
 
@@ -296,7 +299,7 @@ class MemoryMonitor:
 
     def figure(self, title: Optional[str] = None,
                lines: Optional[dict[str, list[tuple[int, str]]]] = None,
-               marks: Optional[Iterable[tuple[float, str]]] = None) -> Any:
+               marks: Optional[Iterable[tuple[float, str]]] = None) -> Figure:
         """The timeline as a matplotlib ``Figure`` (what :meth:`plot` writes).
 
         One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB. While

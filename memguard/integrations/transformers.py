@@ -653,7 +653,7 @@ def _causal_loss(trainer: Any) -> bool:
 
 def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
-                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     reduction: Optional[Reduction] = None,
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None) -> TrainerT:
