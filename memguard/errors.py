@@ -47,6 +47,11 @@ class MemoryLeakError(MemguardError):
     ``retained`` maps each offending device to the bytes it kept; ``limit`` is the
     ``max_leak`` in bytes.
 
+    Args:
+        message: the error's text: what kept the memory and how much.
+        retained: device -> the bytes it kept, kept as ``retained``.
+        limit: the ``max_leak`` in bytes, kept as ``limit``.
+
     Attributes:
         retained: device -> the bytes it kept over the limit's reference level.
         limit: the ``max_leak`` in bytes.
@@ -75,6 +80,12 @@ class OutOfMemoryError(MemguardError, MemoryError):
     there is some to keep: for :func:`memguard.map_batches`, the list of results of the
     batches that completed, in order (``None`` otherwise). Being a ``MemoryError``, it is
     caught by ``except MemoryError`` and :func:`is_oom_error` accepts it.
+
+    Args:
+        message: the error's text: every size tried, with the memory at each failure.
+        attempts: the attempts made, kept as ``attempts``. Default ``()``: none.
+        partial: the work finished before the failure, kept as ``partial``. Default
+            ``None``: nothing to keep.
 
     Attributes:
         attempts: the :class:`memguard.Attempt` records, in order.

@@ -124,8 +124,12 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     def history(self) -> list[Attempt]: ...
 
     def reset(self, microbatch_size: Optional[int] = None) -> None:
-        """Forget the microbatch size and the last call's attempts; with ``microbatch_size``,
-        start from that slice size instead (one learned before, kept with a checkpoint)."""
+        """Forget the microbatch size and the last call's attempts.
+
+        Args:
+            microbatch_size: the slice size to start from instead, in samples (one learned
+                before, kept with a checkpoint). Default ``None``: the whole batch first.
+        """
 
 
 class _Config:
@@ -847,13 +851,14 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
             wrapped, sharded with FSDP2's ``fully_shard``, or neither).
-        min_batch_size: the smallest slice size tried.
+        min_batch_size: the smallest slice size tried. Default ``1``.
         factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
-            callable ``size -> next size`` decides.
+            callable ``size -> next size`` decides. Default ``0.5``.
         max_attempts: the most passes over one batch (``None``: until ``min_batch_size``).
         on_retry: called with the failed :class:`Attempt` after the cleanup, before the
-            batch is redone.
+            batch is redone. Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job after each pass.
+            Default ``"auto"``.
         reduction: ``"mean"`` or ``"sum"``, what the step's loss is over its samples.
         weight: for a loss that is a mean over something other than samples (tokens): a
             callable taking a slice (the batch's structure) and returning the number of
@@ -865,6 +870,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
             most the batch), stepping back at once if it fails; ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward.
+            Default ``None``: no scaling.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole

@@ -359,22 +359,25 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
 
     Args:
         func: the function to decorate, for the bare ``@oom_retry``; left out when the
-            decorator is given arguments.
+            decorator is given arguments. Default ``None``.
         batch_size: the size to start at when the call passes none (else the parameter's
             default).
-        arg: the parameter the size is passed through.
-        min_batch_size: the smallest size tried.
+        arg: the parameter the size is passed through. Default ``"batch_size"``.
+        min_batch_size: the smallest size tried. Default ``1``.
         factor: the next size is ``max(min_batch_size, floor(size * factor))``; ``"auto"``
             measures it (above); a callable ``size -> next size`` must return a positive
             integral number below ``size`` (else ``ValueError`` naming the value).
+            Default ``0.5``.
         max_attempts: the most attempts in one call (``None``: until ``min_batch_size``).
         on_retry: called with the failed :class:`Attempt` after the cleanup, before the next
-            attempt.
+            attempt. Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job (``"auto"``, ``True``,
             ``False``).
         keep_effective_batch: also pass ``accumulation_arg = ceil(start / size)`` so that
             ``size * steps >= start`` (BatchNorm statistics still see the smaller batches).
+            Default ``False``.
         accumulation_arg: the parameter the accumulation steps are passed through.
+            Default ``"accumulation_steps"``.
         cache: ``True``: start later calls of this process at the size that worked for the
             same start; ``False``: always start at the start size; a file path: also keep
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
@@ -384,6 +387,7 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
             function's entries for this device there too.
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot
             there for each failed attempt (see :func:`record_history`).
+            Default ``None``: no snapshot.
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
             schedulers, a ``GradScaler``), Keras models (with their compiled optimizer's
             variables) and Keras optimizers, whose state, with a module's gradients, is
@@ -391,6 +395,7 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
             starts from the state the first one did. Copying or restoring that runs out of
             memory raises :class:`OutOfMemoryError` saying what it needed (chained to the
             framework's error; a copy to host memory suggests ``restore_to="file"``).
+            Default ``None``: nothing is restored.
         restore_to: where that copy is kept: ``"memory"`` (host memory, as fast as a tensor
             copy; the state's size held for the whole call), ``"file"`` (a temporary file in
             ``TMPDIR``, written one tensor at a time and read straight back into place: no

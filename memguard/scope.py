@@ -325,6 +325,11 @@ class MemoryScope:
         would have to free); ``judge=False`` skips the ``max_leak`` verdict (a run that
         failed is not judged).
 
+        Args:
+            cleanup: ``"auto"``, ``"always"`` or ``"never"`` for this exit. Default ``None``:
+                the scope's own.
+            judge: apply the ``max_leak`` verdict. Default ``True``.
+
         >>> import memguard
         >>> scope = memguard.memory_scope("step", max_leak="1GiB").__enter__()
         >>> scope.close(cleanup="never", judge=False)
@@ -416,13 +421,14 @@ def memory_scope(name: Union[str, F, None] = None, *, devices: Devices = None,
     Args:
         name: a label for the scope, in its summary, its log line and a monitor's marks. Given
             a function (bare ``@memory_scope``), the scope decorates it.
+            Default ``None``: unnamed.
         devices: the device name or names to watch (``"host"``, ``"cuda:0"``, ...); ``None``
             for every active device.
         cleanup: ``"auto"``, ``"always"`` or ``"never"``: what to do on exit (see above).
         max_leak: the most a device may retain, in bytes or a size such as ``"64MiB"``;
             ``None`` judges nothing.
         track_tensors: record the live tensors on entry and list in ``leaks`` those created
-            inside and still alive, with their holders.
+            inside and still alive, with their holders. Default ``False``.
 
     Returns:
         A :class:`MemoryScope`: a context manager whose figures are filled on exit, and a
@@ -652,13 +658,15 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
 
     Args:
         func: the function to decorate, for the bare ``@frees_memory``; left out when the
-            decorator is given arguments.
-        every: clean up after every ``every``-th call (a positive int).
+            decorator is given arguments. Default ``None``.
+        every: clean up after every ``every``-th call (a positive int). Default ``1``.
         cleanup: ``"auto"``, ``"always"`` or ``"never"`` (see above).
         max_leak: the most a call may keep on a device, in bytes or a size such as
             ``"256MiB"``; ``None`` judges nothing.
         warmup: how many first calls clean up without being judged against ``max_leak``.
+            Default ``1``.
         track_tensors: name the tensors that a call which kept too much created and left alive.
+            Default ``False``.
 
     Returns:
         The decorated function, with its signature, name and docstring (``@frees_memory``), or

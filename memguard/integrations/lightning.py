@@ -71,13 +71,14 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
+            Default ``False``.
         cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
             ``None`` for epochs only.
         microbatch: recover from an out-of-memory inside each training step: the batch is
             redone in slices within the same optimizer step, with the unsplit step's
-            gradients (see below). Needs automatic optimisation.
+            gradients (see below). Needs automatic optimisation. Default ``False``.
         **options: with ``microbatch=True``, :func:`memguard.auto_microbatch`'s options:
             ``min_batch_size``, ``factor``, ``max_attempts``, ``on_retry``, ``sync``,
             ``reduction``, ``weight`` and ``grow_every``.
@@ -173,7 +174,12 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         return {"microbatch_size": self.microbatch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Start from the slice size a checkpoint kept (see :meth:`state_dict`)."""
+        """Start from the slice size a checkpoint kept (see :meth:`state_dict`).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned when the checkpoint was saved; a
+                ``microbatch_size`` that is not a positive int is ignored.
+        """
         size = state_dict.get("microbatch_size")
         if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             self._size = size

@@ -67,6 +67,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
+            Default ``False``.
         cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
@@ -611,7 +612,11 @@ class MicrobatchState(_TrainerCallback, _ExportableState):
 
     @staticmethod
     def state_of(size: Optional[int]) -> dict[str, Any]:
-        """What ``trainer_state.json`` holds for ``size``."""
+        """What ``trainer_state.json`` holds for ``size``.
+
+        Args:
+            size: the slice size learned, in samples, or ``None`` before a batch was split.
+        """
         return {"args": {}, "attributes": {"microbatch_size": size}}
 
     def state(self) -> dict[str, Any]:
