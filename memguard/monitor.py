@@ -17,7 +17,7 @@ from .backends.host import HOST, address_space
 from .cleanup import Pairs, Readings
 
 if TYPE_CHECKING:  # matplotlib is optional (the plot extra), imported by figure() itself
-    from matplotlib.figure import Figure
+    import matplotlib.figure
 
 log = logging.getLogger("memguard")
 
@@ -304,7 +304,8 @@ class MemoryMonitor:
 
     def figure(self, title: Optional[str] = None,
                lines: Optional[dict[str, list[tuple[int, str]]]] = None,
-               marks: Optional[Iterable[tuple[float, str]]] = None) -> Figure:
+               marks: Optional[Iterable[tuple[float, str]]] = None
+               ) -> matplotlib.figure.Figure:
         """The timeline as a matplotlib ``Figure`` (what :meth:`plot` writes).
 
         One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB. While
