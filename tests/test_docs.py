@@ -324,14 +324,15 @@ def test_the_step_level_programs_of_the_trainers_guide_train_every_step(tmp_path
 
 def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
     """benchmarks/plot.py draws benchmarks/figures.json; every non-integer figure in it is one
-    the out-of-memory guide's table quotes, so the picture and the text say the same."""
+    the comparison table (the out-of-memory guide's explanation page) quotes, so the picture
+    and the text say the same."""
     sys.path.insert(0, ROOT)
     try:
         from benchmarks import plot
     finally:
         sys.path.remove(ROOT)
     panels, source = plot.load(plot.FIGURES)
-    guide = read("docs", "guides", "out-of-memory.rst")
+    guide = read("docs", "guides", "recovery-internals.rst")
     for panel in panels:
         for bar in panel["bars"]:
             value = bar["value"]
