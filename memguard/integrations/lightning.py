@@ -22,10 +22,13 @@ import contextlib
 import logging
 import sys
 import types
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from ..loop import Attempt
-from ..microbatch import auto_microbatch
+from .._units import Size
+from ..cleanup import Cleanup
+from ..distributed import Sync
+from ..loop import Attempt, Factor
+from ..microbatch import Reduction, auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:  # the standalone package first: it is what memguard-ml[lightning] installs
@@ -79,9 +82,23 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         microbatch: recover from an out-of-memory inside each training step: the batch is
             redone in slices within the same optimizer step, with the unsplit step's
             gradients (see below). Needs automatic optimisation. Default ``False``.
-        **options: with ``microbatch=True``, :func:`memguard.auto_microbatch`'s options:
-            ``min_batch_size``, ``factor``, ``max_attempts``, ``on_retry``, ``sync``,
-            ``reduction``, ``weight`` and ``grow_every``.
+        min_batch_size: with ``microbatch=True``, the smallest slice size tried, in samples.
+            Default ``None``: :func:`memguard.auto_microbatch`'s (1).
+        factor: with ``microbatch=True``, the next slice size is ``floor(size * factor)``;
+            ``"auto"`` measures it; a callable ``size -> next size`` decides. Default
+            ``None``: :func:`memguard.auto_microbatch`'s (0.5).
+        max_attempts: with ``microbatch=True``, the most passes over one batch. Default
+            ``None``: until ``min_batch_size``.
+        on_retry: with ``microbatch=True``, called with each failed :class:`memguard.Attempt`
+            after the cleanup. Default ``None``: nothing is called.
+        sync: with ``microbatch=True``, agree with the other ranks after each pass
+            (``"auto"``, ``True``, ``False``). Default ``None``: ``"auto"``.
+        reduction: with ``microbatch=True``, ``"mean"`` or ``"sum"``, what the loss is over
+            its samples. Default ``None``: ``"mean"``.
+        weight: with ``microbatch=True``, a callable taking a slice and returning the count
+            its loss averages over (tokens). Default ``None``: see below.
+        grow_every: with ``microbatch=True``, try the next larger slice size after this many
+            steps without an out-of-memory. Default ``None``: never.
 
     With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
     runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)
@@ -115,8 +132,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             for one of the wrong type), named with its
             value; with ``microbatch=True``, a module with ``automatic_optimization = False``
             (at ``fit``: call :func:`memguard.auto_microbatch` in its ``training_step``).
-        TypeError: an option that ``auto_microbatch`` does not take, or options without
-            ``microbatch=True``.
+        TypeError: ``auto_microbatch``'s options without ``microbatch=True``.
         OutOfMemoryError: during ``fit``, when the smallest slice runs out of memory too.
 
     >>> from memguard.integrations.lightning import MemguardCallback
@@ -131,18 +147,23 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     _framework = "lightning"
     _run_links = ("log", "log_dict")  # the LightningModule's, attached by Lightning at fit
 
-    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
-                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None, *,
-                 microbatch: bool = False, **options: Any) -> None:
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Cleanup = "auto", log_every_n_steps: Optional[int] = None, *,
+                 microbatch: bool = False, min_batch_size: Optional[int] = None,
+                 factor: Optional[Factor] = None, max_attempts: Optional[int] = None,
+                 on_retry: Optional[Callable[[Attempt], object]] = None,
+                 sync: Optional[Sync] = None, reduction: Optional[Reduction] = None,
+                 weight: Optional[Callable[[Any], Any]] = None,
+                 grow_every: Optional[int] = None) -> None:
         super().__init__(max_leak, track_tensors, cleanup, log_every_n_steps)
         if not isinstance(microbatch, bool):
             raise TypeError(f"MemguardCallback: microbatch must be True or False, got "
                             f"{microbatch!r}")
-        unknown = sorted(set(options) - set(MICROBATCH_OPTIONS))
-        if unknown:
-            raise TypeError(f"MemguardCallback got unexpected option(s) {', '.join(unknown)}; "
-                            f"with microbatch=True it takes auto_microbatch's "
-                            f"{', '.join(MICROBATCH_OPTIONS)}")
+        given = dict(min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
+                     on_retry=on_retry, sync=sync, reduction=reduction, weight=weight,
+                     grow_every=grow_every)
+        options: dict[str, Any] = {name: value for name, value in given.items()
+                                   if value is not None}
         if options and not microbatch:
             raise TypeError(f"MemguardCallback: {', '.join(sorted(options))} are "
                             f"auto_microbatch's options: pass microbatch=True with them")

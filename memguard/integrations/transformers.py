@@ -17,8 +17,10 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
+from .._units import Size
+from ..cleanup import Cleanup
 from ..distributed import Sync
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
@@ -30,6 +32,9 @@ try:
     from transformers.trainer_callback import ExportableState as _ExportableState
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
+
+if TYPE_CHECKING:
+    import transformers
 
 log = logging.getLogger("memguard")
 TrainerT = TypeVar("TrainerT", bound="_transformers.Trainer")
@@ -92,9 +97,9 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     _run_links = ("_trainer",)  # a weak reference, found again at the next train
     _run = "train"
 
-    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
-                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None,
-                 trainer: Any = None) -> None:
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Cleanup = "auto", log_every_n_steps: Optional[int] = None,
+                 trainer: Optional[transformers.Trainer] = None) -> None:
         super().__init__(max_leak=max_leak, track_tensors=track_tensors, cleanup=cleanup,
                          log_every_n_steps=log_every_n_steps)
         if trainer is not None:
