@@ -31,14 +31,16 @@ extensions = [
 ]
 # No network: no intersphinx. Under -n (nitpicky) every reference must resolve; the third-party
 # types below cannot without intersphinx, so they stay plain text.
-autodoc_default_options = {"members": True}
+# Each autoclass directive says which members it shows (``:members:`` alone: all of them). No
+# default "members" here: Sphinx 9 lets a boolean default override a directive's own list.
+autodoc_default_options: dict[str, str] = {}
 nitpick_ignore_regex = [
     # third-party and standard-library types (no intersphinx without a network)
     ("py:(class|obj|exc|data)", (r"(torch|tensorflow|keras|transformers|pytorch_lightning|"
                                  r"lightning|numpy|matplotlib|wrapt|psutil|pytest|_pytest|os)"
                                  r"(\..*)?")),
     # type variables of the generic signatures (F, R, T, P...): placeholders, not types
-    ("py:class", r"~?(memguard\.\w+\.)?(F|R|R_co|T|P)"),
+    ("py:class", r"~?(memguard\.[\w.]+\.)?(F|R|R_co|T|P|Q|S|W|C|TrainerT)"),
 ]
 
 # The integrations import their trainer's framework: where one is not installed, autodoc

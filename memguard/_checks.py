@@ -7,7 +7,6 @@ input the same way.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
@@ -15,9 +14,8 @@ import operator
 import os
 import sys
 import warnings
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
-F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
 
 
@@ -141,32 +139,6 @@ def flag(value: Any, name: str, *, who: Optional[str] = None) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{_prefix(who)}{name} must be True or False, got {value!r}")
     return value
-
-
-def renamed(**names: str) -> Callable[[F], F]:
-    """Make a function refuse the old name of a renamed keyword argument with a ``TypeError``
-    that names the new one (``old="new"``), keeping its signature.
-
-    >>> @renamed(min_size="min_batch_size")
-    ... def f(*, min_batch_size=1):
-    ...     return min_batch_size
-    >>> f(min_size=2)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    TypeError: f() got the keyword argument min_size, which is now min_batch_size: write ...
-    """
-    def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            for old, new in names.items():
-                if old in kwargs:
-                    raise TypeError(f"{func.__name__}() got the keyword argument {old}, which "
-                                    f"is now {new}: write {new}={kwargs[old]!r}")
-            return func(*args, **kwargs)
-
-        return checked  # type: ignore[return-value]
-
-    return decorate
 
 
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)

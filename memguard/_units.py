@@ -34,7 +34,7 @@ def parse_size(value: Size, name: str = "size") -> int:
 
     Args:
         value: bytes (an int) or a string such as ``"512MiB"`` or ``"1.5GB"``.
-        name: the parameter's name, quoted by the error messages.
+        name: the parameter's name, quoted by the error messages. Default ``"size"``.
 
     Returns:
         The size in bytes.
@@ -104,7 +104,7 @@ def format_bytes(n: int | None, signed: bool = False) -> str:
 
     Args:
         n: a count of bytes, or ``None``.
-        signed: put a ``+`` before positive values (for differences).
+        signed: put a ``+`` before positive values (for differences). Default ``False``.
 
     Returns:
         The count in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``).

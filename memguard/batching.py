@@ -8,9 +8,9 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Callable, Generic, Iterable, Literal, Optional, TypeVar, Union, overload
 
-from ._checks import fraction, positive_int, renamed
+from ._checks import fraction, positive_int
 from ._slices import Plan, plan_batch
 from .backends import resolve_devices, torch_state
 from .backends.budget import available as budget_available, watched_devices
@@ -24,6 +24,7 @@ from .sizes import AUTO_MARGIN, MemoryFit
 
 log = logging.getLogger("memguard")
 T = TypeVar("T")
+C = TypeVar("C")
 Mode = Literal["binsearch", "power", "predict"]
 
 # sizes found with cache=True, for the life of the process
@@ -33,6 +34,10 @@ _FOUND: dict[str, int] = {}
 class BatchSize(int):
     """The size :func:`find_batch_size` found: an ``int``, with ``history``, the
     :class:`Attempt` record of every trial.
+
+    Args:
+        value: the size found, in samples.
+        history: the trials' records, kept as ``history``.
 
     Attributes:
         history: the :class:`Attempt` record of every trial, in order.
@@ -194,11 +199,10 @@ _SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
                                        "predict": _Predict}
 
 
-@renamed(max_trials="max_attempts")
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
                     steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,
-                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     cache: Union[bool, str, "os.PathLike[str]"] = False,
                     restore: Any = None) -> BatchSize:
     """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
@@ -241,17 +245,18 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
 
     Args:
         step: called with a batch size; runs what must fit (a training step, a forward).
-        start: the first size tried.
+        start: the first size tried. Default ``1``.
         max_batch_size: the largest size tried (``None``: no limit).
         mode: ``"binsearch"``, ``"power"`` or ``"predict"`` (above).
         steps: calls of ``step`` per trial (memory often peaks in the second step, once
-            optimizer state exists).
-        margin: the fraction taken off the largest size that fitted.
+            optimizer state exists). Default ``1``.
+        margin: the fraction taken off the largest size that fitted. Default ``0.05``.
         max_attempts: the most trials; the search then stops at the largest size that fitted,
-            with a warning.
+            with a warning. Default ``25``.
         on_retry: called with each failed trial's :class:`Attempt` after its cleanup.
+            Default ``None``: nothing is called.
         sync: in a distributed job every rank tries the same sizes (a size that fails on any
-            rank fails on all) and all return the same size.
+            rank fails on all) and all return the same size. Default ``"auto"``.
         cache: ``True``: a later search with the same step and parameters in this process
             returns the size found without a trial; a file path: the same across processes
             and restarts (as ``oom_retry(cache=path)`` keeps its sizes); ``False``: search
@@ -259,6 +264,7 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
         restore: objects with ``state_dict``/``load_state_dict`` (model, optimizer...) put
             back to their state at the start before each trial and after the search, as
             Lightning's finder does: trials that train change the weights.
+            Default ``None``: nothing is restored.
 
     Returns:
         The size (a :class:`BatchSize`, an ``int`` whose ``history`` holds every trial).
@@ -444,10 +450,14 @@ def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
     return size
 
 
-class BatchResults(list):
+class BatchResults(list[T], Generic[T]):
     """The list :func:`map_batches` returns (without ``collate``): one result per call of
     ``fn``, in order, and ``history``, the :class:`Attempt` records of its retries (one per
     out-of-memory, and one for the size that worked next).
+
+    Args:
+        items: the results, in order. Default ``()``: none.
+        history: the retries' records, kept as ``history``. Default ``None``: none.
 
     Attributes:
         history: the :class:`Attempt` records of the retries.
@@ -457,7 +467,8 @@ class BatchResults(list):
     ([1, 2], [])
     """
 
-    def __init__(self, items: Any = (), history: Optional[list[Attempt]] = None) -> None:
+    def __init__(self, items: Iterable[T] = (), history: Optional[list[Attempt]] = None
+                 ) -> None:
         super().__init__(items)
         self.history: list[Attempt] = [] if history is None else history
 
@@ -546,11 +557,26 @@ class _Mapper:
             self.results.extend(segment.results)
 
 
+@overload
 def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
                 min_batch_size: int = 1, factor: Factor = 0.5,
                 max_attempts: Optional[int] = None,
-                on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = False,
-                collate: Optional[Callable[[list[T]], Any]] = None) -> Any:
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
+                collate: None = None) -> BatchResults[T]: ...
+@overload
+def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
+                min_batch_size: int = 1, factor: Factor = 0.5,
+                max_attempts: Optional[int] = None,
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
+                collate: Callable[[list[T]], C]) -> C: ...
+
+
+def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] = None,
+                min_batch_size: int = 1, factor: Factor = 0.5,
+                max_attempts: Optional[int] = None,
+                on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = False,
+                collate: Optional[Callable[[list[T]], C]] = None
+                ) -> Union[BatchResults[T], C]:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.
 
     ``data`` is one of:
@@ -582,18 +608,22 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
         fn: called with each batch; its result is kept.
         data: what to map (above).
         batch_size: the size of the slices (needed for everything but an iterable of
-            batches).
-        min_batch_size: the smallest size tried.
+            batches). Default ``None``: an iterable's own batches.
+        min_batch_size: the smallest size tried. Default ``1``.
         factor: the next size is ``floor(size * factor)``; ``"auto"`` measures it from what
             the failed call took and asked for (the budgets are read before every call of
             ``fn``, a fraction of a millisecond each time); a callable ``size -> next size``.
+            Default ``0.5``.
         max_attempts: the most attempts at one batch.
+            Default ``None``: until ``min_batch_size``.
         on_retry: called with each failed :class:`Attempt` after its cleanup.
+            Default ``None``: nothing is called.
         sync: ``False`` by default, unlike the other entry points: ranks often map inputs of
             different lengths. With ``True`` (or ``"auto"`` in a job of several ranks) every
             rank must map data of the same length: a size that fails on any rank is redone
             on all, and all go on at the same size.
         collate: joins the list of results (``torch.cat``, say) before it is returned.
+            Default ``None``: the list of results, a :class:`BatchResults`.
 
     Returns:
         The results, one per slice of a sequence and one per batch of an iterable (a

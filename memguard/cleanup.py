@@ -124,7 +124,7 @@ def free_memory(*, keras: bool = False) -> int:
     the one that frees after each call.
 
     Args:
-        keras: also clear the Keras session (keyword-only).
+        keras: also clear the Keras session (keyword-only). Default ``False``.
 
     Returns:
         The bytes given back, summed over devices.

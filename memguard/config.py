@@ -81,12 +81,14 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
 
     Args:
         max_split_size_mb: blocks larger than this (MiB, an int above 20) are never split.
+            Default ``None``: left as it is.
         expandable_segments: let the allocator grow segments instead of allocating new ones.
+            Default ``None``: left as it is.
         garbage_collection_threshold: reclaim cached blocks once this fraction (between 0 and 1)
-            of the memory is in use.
-        backend: ``"native"`` or ``"cudaMallocAsync"``.
+            of the memory is in use. Default ``None``: left as it is.
+        backend: ``"native"`` or ``"cudaMallocAsync"``. Default ``None``: left as it is.
         roundup_power2_divisions: round allocations up to this many divisions of a power of
-            two (a power of two up to 16).
+            two (a power of two up to 16). Default ``None``: left as it is.
 
     Returns:
         The merged configuration, as written to ``PYTORCH_ALLOC_CONF`` and

@@ -47,6 +47,11 @@ class MemoryLeakError(MemguardError):
     ``retained`` maps each offending device to the bytes it kept; ``limit`` is the
     ``max_leak`` in bytes.
 
+    Args:
+        message: the error's text: what kept the memory and how much.
+        retained: device -> the bytes it kept, kept as ``retained``.
+        limit: the ``max_leak`` in bytes, kept as ``limit``.
+
     Attributes:
         retained: device -> the bytes it kept over the limit's reference level.
         limit: the ``max_leak`` in bytes.
@@ -75,6 +80,12 @@ class OutOfMemoryError(MemguardError, MemoryError):
     there is some to keep: for :func:`memguard.map_batches`, the list of results of the
     batches that completed, in order (``None`` otherwise). Being a ``MemoryError``, it is
     caught by ``except MemoryError`` and :func:`is_oom_error` accepts it.
+
+    Args:
+        message: the error's text: every size tried, with the memory at each failure.
+        attempts: the attempts made, kept as ``attempts``. Default ``()``: none.
+        partial: the work finished before the failure, kept as ``partial``. Default
+            ``None``: nothing to keep.
 
     Attributes:
         attempts: the :class:`memguard.Attempt` records, in order.
@@ -287,28 +298,39 @@ def _own_kind(exc: BaseException) -> str | None:
 def is_oom_error(exc: Any) -> bool:
     """Whether ``exc`` is an out-of-memory error, from any framework or device.
 
-    True for ``torch.OutOfMemoryError``; RuntimeErrors that say CUDA/HIP/XPU/MPS/CPU
-    allocation failed, including cuBLAS/cuDNN allocation failures, the cuDNN
-    ``NOT_SUPPORTED`` error a full GPU produces and a torch memory mapping that failed with
-    ``ENOMEM`` ("unable to mmap ... Cannot allocate memory (12)"); a DataLoader worker's
-    error re-raised in the main process when the worker's own error is one of these;
-    TensorFlow's ``ResourceExhaustedError`` about memory (not about disk space or a quota,
-    as the error's own words say: a path, file name or quoted name in the message that holds
-    "disk" or "quota", such as ``</mnt/disk1/shard.bin>``, does not count);
-    ``MemoryError`` (so also numpy's and :class:`OutOfMemoryError`).
+    The rules (the message rules are one table in the code, ``OOM_MESSAGES``):
 
-    Chains: an exception raised *from* one of these (``raise LoaderError(...) from oom``,
-    its ``__cause__``: a wrapped out-of-memory) is one too. An exception raised while
-    *handling* one, without ``from`` (only its ``__context__`` is the out-of-memory), is not:
-    it is a new error, a bug in a handler say, and retrying would hide it. Exceptions outside
-    ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``,
-    ``asyncio.CancelledError``) never are, whatever their chain, and neither is anything that
-    is not an exception (``False``, never an error). An exception group (``asyncio.TaskGroup``,
-    ``except*``) is one when every exception in it, nested groups flattened, is one; a group
-    that also holds any other error is not (that error must reach the program). An exception
-    whose ``__str__`` raises is judged by its type alone (``MemoryError`` and torch's
-    ``OutOfMemoryError`` are recognised, a message rule cannot be). oneDNN's ``could not
-    create a primitive`` is not recognised: its message does not say whether memory was the cause.
+    ========  ===============================================================================
+    Verdict   ``exc``
+    ========  ===============================================================================
+    yes       ``torch.OutOfMemoryError``; ``MemoryError`` (numpy's too, and
+              :class:`OutOfMemoryError`)
+    yes       a ``RuntimeError`` saying a CUDA, HIP, XPU, MPS or CPU allocation failed;
+              cuBLAS and cuDNN allocation failures; cuDNN's ``NOT_SUPPORTED`` (what a full GPU
+              produces)
+    yes       a torch memory mapping that failed with ``ENOMEM`` ("unable to mmap ... Cannot
+              allocate memory (12)")
+    yes       TensorFlow's ``ResourceExhaustedError`` about memory
+    no        the same about disk space or a quota, in the error's own words ("disk" or
+              "quota" in a path or quoted name, such as ``</mnt/disk1/shard.bin>``, does not
+              count)
+    yes       a ``DataLoader`` worker's error re-raised in the main process, when the worker's
+              own error is one of these
+    yes       an exception raised *from* one of these (``raise LoaderError(...) from oom``:
+              its ``__cause__``, a wrapped out-of-memory)
+    no        an exception raised while *handling* one, without ``from`` (only its
+              ``__context__``): a new error, a bug in a handler say; retrying would hide it
+    yes       an exception group (``asyncio.TaskGroup``, ``except*``) of which every
+              exception, nested groups flattened, is one
+    no        a group that also holds any other error (that error must reach the program)
+    no        ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``,
+              ``asyncio.CancelledError``, whatever their chain
+    by type   an exception whose ``__str__`` raises: ``MemoryError`` and torch's
+              ``OutOfMemoryError`` are recognised, a message rule cannot be
+    no        oneDNN's ``could not create a primitive``: its message does not say whether
+              memory was the cause
+    no        anything that is not an exception (``False``, never an error)
+    ========  ===============================================================================
 
     Args:
         exc: any object; only exceptions can be out-of-memory errors.

@@ -125,9 +125,11 @@ def record_history(path: str = "memory_snapshot.pickle", *, max_entries: int = 1
 
     Args:
         path: the file the snapshot is written to (a pickle that memory_viz opens).
+            Default ``"memory_snapshot.pickle"``.
         max_entries: how many allocation events PyTorch keeps (a positive int).
+            Default ``100_000``.
         on_oom_only: dump only when an out-of-memory passes through; ``False`` dumps on every
-            exit.
+            exit. Default ``True``.
 
     Returns:
         A :class:`RecordHistory`: a context manager and a decorator; ``dumped`` is the path

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from time import perf_counter
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypeVar, Union, overload
 
 from . import cleanup as cleanup_state
 from ._decorate import guard
@@ -24,6 +24,9 @@ from .cleanup import (
     empty_caches,
     interrupts_after,
 )
+
+if TYPE_CHECKING:  # for type checkers only: memguard imports torch in its backends, lazily
+    import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("memguard")
@@ -256,7 +259,13 @@ class InferenceMode:
                      "inference_mode", kinds=("sync",))
 
 
-def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Any:
+@overload
+def inference_mode(*models: torch.nn.Module, cleanup: Cleanup = "auto") -> InferenceMode: ...
+@overload
+def inference_mode(func: F, /) -> F: ...
+
+
+def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Union[InferenceMode, F]:
     """Run inference with no autograd state and every given model in eval mode.
 
     With torch: enters ``torch.inference_mode()``, switches each ``torch.nn.Module`` to

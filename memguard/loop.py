@@ -246,7 +246,7 @@ class Policy:
     min_batch_size: int = 1
     factor: Factor = 0.5
     max_attempts: Optional[int] = None
-    on_retry: Optional[Callable[[Attempt], Any]] = None
+    on_retry: Optional[Callable[[Attempt], object]] = None
     sync: Sync = "auto"
 
     @classmethod
@@ -709,7 +709,7 @@ class Attempts(Loop):
 
 def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
              max_attempts: Optional[int] = None,
-             on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+             on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
              name: str = "attempts") -> Attempts:
     """Retry a block of code at a smaller batch size when it runs out of memory: the block
     form of :func:`oom_retry`, for code that is not a function.
@@ -728,13 +728,15 @@ def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
 
     Args:
         batch_size: the size of the first attempt.
-        min_batch_size: the smallest size tried.
+        min_batch_size: the smallest size tried. Default ``1``.
         factor: the next size is ``floor(size * factor)``; ``"auto"`` measures it; a callable
-            ``size -> next size`` decides.
+            ``size -> next size`` decides. Default ``0.5``.
         max_attempts: the most attempts (``None``: until ``min_batch_size``).
         on_retry: called with each failed :class:`Attempt` after the cleanup.
+            Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job after each attempt.
-        name: how logs and errors name the loop.
+            Default ``"auto"``.
+        name: how logs and errors name the loop. Default ``"attempts"``.
 
     Returns:
         An iterable of attempts; after the loop, its ``batch_size`` is the size that worked

@@ -46,6 +46,7 @@ import weakref
 from typing import (
     Any,
     Callable,
+    Concatenate,
     ContextManager,
     Iterator,
     Literal,
@@ -53,10 +54,11 @@ from typing import (
     ParamSpec,
     Protocol,
     TypeVar,
+    overload,
 )
 
 from . import _recompute
-from ._checks import optional_positive_int, renamed
+from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
@@ -82,6 +84,10 @@ from .sizes import Gauge
 log = logging.getLogger("memguard")
 P = ParamSpec("P")
 R_co = TypeVar("R_co", covariant=True)
+Q = ParamSpec("Q")
+R = TypeVar("R")
+S = TypeVar("S")
+W = TypeVar("W")
 Reduction = Literal["mean", "sum"]
 
 
@@ -106,6 +112,13 @@ class MicrobatchedFunction(Protocol[P, R_co]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
+    # a decorated method, read from an instance, is bound as the function would be
+    @overload
+    def __get__(self: W, instance: None, owner: Any, /) -> W: ...
+    @overload
+    def __get__(self: MicrobatchedFunction[Concatenate[S, Q], R], instance: S, owner: Any, /
+                ) -> MicrobatchedFunction[Q, R]: ...
+
     @property
     def microbatch_size(self) -> Optional[int]: ...
 
@@ -113,8 +126,12 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     def history(self) -> list[Attempt]: ...
 
     def reset(self, microbatch_size: Optional[int] = None) -> None:
-        """Forget the microbatch size and the last call's attempts; with ``microbatch_size``,
-        start from that slice size instead (one learned before, kept with a checkpoint)."""
+        """Forget the microbatch size and the last call's attempts.
+
+        Args:
+            microbatch_size: the slice size to start from instead, in samples (one learned
+                before, kept with a checkpoint). Default ``None``: the whole batch first.
+        """
 
 
 class _Config:
@@ -801,10 +818,9 @@ def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     return remembered is None or remembered >= (plan.length or 0)
 
 
-@renamed(min_size="min_batch_size")
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
                     max_attempts: Optional[int] = None,
-                    on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     reduction: Reduction = "mean",
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None,
@@ -864,13 +880,14 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
             wrapped, sharded with FSDP2's ``fully_shard``, or neither).
-        min_batch_size: the smallest slice size tried.
+        min_batch_size: the smallest slice size tried. Default ``1``.
         factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
-            callable ``size -> next size`` decides.
+            callable ``size -> next size`` decides. Default ``0.5``.
         max_attempts: the most passes over one batch (``None``: until ``min_batch_size``).
         on_retry: called with the failed :class:`Attempt` after the cleanup, before the
-            batch is redone.
+            batch is redone. Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job after each pass.
+            Default ``"auto"``.
         reduction: ``"mean"`` or ``"sum"``, what the step's loss is over its samples.
         weight: for a loss that is a mean over something other than samples (tokens): a
             callable taking a slice (the batch's structure) and returning the number of
@@ -882,12 +899,13 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
             most the batch), stepping back at once if it fails; ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward.
+            Default ``None``: no scaling.
         recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
             batch once more with its activations recomputed in backward (the children of
             the model's ``ModuleList`` and ``Sequential`` containers under non-reentrant
             ``torch.utils.checkpoint``, or a Hugging Face model's
             ``gradient_checkpointing_enable()``), for that batch only; the attempts it ran
-            have ``recompute=True``. ``False``: give up there.
+            have ``recompute=True``. ``False``: give up there. Default ``True``.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole

@@ -7,7 +7,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ._checks import positive_int, positive_number
 from ._events import listen, unlisten
@@ -15,6 +15,9 @@ from ._locks import ForkSafeLock
 from .backends import UNKNOWN, DeviceMemory, Devices, Reading, resolve_devices
 from .backends.host import HOST, address_space
 from .cleanup import Pairs, Readings
+
+if TYPE_CHECKING:  # matplotlib is optional (the plot extra), imported by figure() itself
+    import matplotlib.figure
 
 log = logging.getLogger("memguard")
 
@@ -56,10 +59,10 @@ class MemoryMonitor:
     is kept in full.
 
     Args:
-        interval: seconds between samples.
+        interval: seconds between samples. Default ``0.1``.
         devices: the devices to watch (a name, a list of names, or ``None`` for all).
-        max_samples: the most samples kept (at least 2).
-        max_marks: the most marks kept (at least 2).
+        max_samples: the most samples kept (at least 2). Default ``100_000``.
+        max_marks: the most marks kept (at least 2). Default ``10_000``.
 
     >>> import memguard
     >>> with memguard.MemoryMonitor(interval=0.01, max_samples=1000, max_marks=10) as mon:
@@ -247,7 +250,12 @@ class MemoryMonitor:
 
     def to_csv(self, path: str) -> None:
         """One row per sample and device (``time,device,allocated,reserved,mark``), and one
-        row per mark."""
+        row per mark.
+
+        Args:
+            path: the CSV file to write (replaced if it exists); ``time`` in seconds since the
+                start, ``allocated`` and ``reserved`` in bytes.
+        """
         with self._lock, open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["time", "device", "allocated", "reserved", "mark"])
@@ -296,7 +304,8 @@ class MemoryMonitor:
 
     def figure(self, title: Optional[str] = None,
                lines: Optional[dict[str, list[tuple[int, str]]]] = None,
-               marks: Optional[Iterable[tuple[float, str]]] = None) -> Any:
+               marks: Optional[Iterable[tuple[float, str]]] = None
+               ) -> matplotlib.figure.Figure:
         """The timeline as a matplotlib ``Figure`` (what :meth:`plot` writes).
 
         One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB. While
@@ -309,6 +318,7 @@ class MemoryMonitor:
         Args:
             title: the title (default "memguard memory timeline").
             lines: horizontal lines per panel, ``{"cuda:0": [(bytes, "budget")]}``.
+                Default ``None``: no lines.
             marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
 
         Returns:
@@ -419,6 +429,7 @@ class MemoryMonitor:
             path: the PNG file to write (its folder must exist).
             title: the title (default "memguard memory timeline").
             lines: horizontal lines per panel, ``{"cuda:0": [(bytes, "budget")]}``.
+                Default ``None``: no lines.
             marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
 
         Returns:
@@ -436,7 +447,15 @@ class MemoryMonitor:
     def to_tensorboard(self, writer: Any, prefix: str = "memory") -> int:
         """Write the series as scalars (``memory/<device>/allocated`` in MiB, step = sample
         index) to a ``torch.utils.tensorboard.SummaryWriter`` or a TensorFlow summary writer.
-        Returns the number of scalars written."""
+
+        Args:
+            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
+                ``add_scalar``) or a TensorFlow summary writer (``tf.summary.create_file_writer``).
+            prefix: the first part of every tag. Default ``"memory"``.
+
+        Returns:
+            The number of scalars written.
+        """
         rows = [(f"{prefix}/{device}/{field}", index, t, value / 2**20)
                 for index, (t, mem) in enumerate(list(self.samples))
                 for device, m in mem.items()

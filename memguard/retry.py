@@ -9,7 +9,18 @@ import inspect
 import logging
 import math
 import os
-from typing import Any, Callable, Literal, Optional, Protocol, TypeVar, Union, overload
+from typing import (
+    Any,
+    Callable,
+    Concatenate,
+    Literal,
+    Optional,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    Union,
+    overload,
+)
 
 from ._decorate import function_kind, name_of, with_statistics
 from .backends import torch_state
@@ -20,14 +31,24 @@ from .loop import Attempt, Factor, GuardState, Loop, Policy
 from .sizefile import SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
+P = ParamSpec("P")
+Q = ParamSpec("Q")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")
+W = TypeVar("W")
 RestoreTo = Literal["auto", "memory", "file"]
 
 
-class RetryingFunction(Protocol[R_co]):
+class RetryingFunction(Protocol[P, R_co]):
     """What ``@oom_retry`` returns: the function, called as before (the batch size may be
     left out: the decorator passes it), returning what it returns, with its statistics.
+
+    For a type checker it keeps the decorated function's parameters ``P`` and return type
+    ``R_co``: a call is checked against them, a method's ``self`` is bound, and a call with
+    no argument at all (the size, the only parameter, left to the decorator) is accepted too.
+    A function with other parameters whose size parameter has no default is called with the
+    size given, or declares a default for it (``batch_size: int = 64``).
 
     Attributes:
         history: the last call's :class:`Attempt` records.
@@ -42,7 +63,17 @@ class RetryingFunction(Protocol[R_co]):
 
     """
 
-    def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
+    @overload
+    def __call__(self) -> R_co: ...
+    @overload
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    # a decorated method, read from an instance, is bound as the function would be
+    @overload
+    def __get__(self: W, instance: None, owner: Any, /) -> W: ...
+    @overload
+    def __get__(self: RetryingFunction[Concatenate[S, Q], R], instance: S, owner: Any, /
+                ) -> RetryingFunction[Q, R]: ...
 
     @property
     def history(self) -> list[Attempt]: ...
@@ -262,32 +293,34 @@ def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
 
 
 @overload
-def oom_retry(func: Callable[..., R], /) -> RetryingFunction[R]: ...
+def oom_retry(func: Callable[P, R], /) -> RetryingFunction[P, R]: ...
 
 
 @overload
 def oom_retry(func: None = None, /, *, batch_size: Optional[int] = None,
               arg: str = "batch_size", min_batch_size: int = 1, factor: Factor = 0.5,
               max_attempts: Optional[int] = None,
-              on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+              on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
               snapshot_dir: Optional[str] = None, restore: Any = None,
               restore_to: RestoreTo = "auto"
-              ) -> Callable[[Callable[..., R]], RetryingFunction[R]]: ...
+              ) -> Callable[[Callable[P, R]], RetryingFunction[P, R]]: ...
 
 
-def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
+def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
               batch_size: Optional[int] = None, arg: str = "batch_size",
               min_batch_size: int = 1, factor: Factor = 0.5,
               max_attempts: Optional[int] = None,
-              on_retry: Optional[Callable[[Attempt], Any]] = None, sync: Sync = "auto",
+              on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
               snapshot_dir: Optional[str] = None, restore: Any = None,
-              restore_to: RestoreTo = "auto") -> Any:
+              restore_to: RestoreTo = "auto"
+              ) -> Union[RetryingFunction[P, R],
+                         Callable[[Callable[P, R]], RetryingFunction[P, R]]]:
     """Retry the decorated function at a smaller batch size when it runs out of memory.
 
     The batch size travels through the parameter ``arg``. A call starts at the caller's value,
@@ -326,22 +359,25 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
 
     Args:
         func: the function to decorate, for the bare ``@oom_retry``; left out when the
-            decorator is given arguments.
+            decorator is given arguments. Default ``None``.
         batch_size: the size to start at when the call passes none (else the parameter's
             default).
-        arg: the parameter the size is passed through.
-        min_batch_size: the smallest size tried.
+        arg: the parameter the size is passed through. Default ``"batch_size"``.
+        min_batch_size: the smallest size tried. Default ``1``.
         factor: the next size is ``max(min_batch_size, floor(size * factor))``; ``"auto"``
             measures it (above); a callable ``size -> next size`` must return a positive
             integral number below ``size`` (else ``ValueError`` naming the value).
+            Default ``0.5``.
         max_attempts: the most attempts in one call (``None``: until ``min_batch_size``).
         on_retry: called with the failed :class:`Attempt` after the cleanup, before the next
-            attempt.
+            attempt. Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job (``"auto"``, ``True``,
             ``False``).
         keep_effective_batch: also pass ``accumulation_arg = ceil(start / size)`` so that
             ``size * steps >= start`` (BatchNorm statistics still see the smaller batches).
+            Default ``False``.
         accumulation_arg: the parameter the accumulation steps are passed through.
+            Default ``"accumulation_steps"``.
         cache: ``True``: start later calls of this process at the size that worked for the
             same start; ``False``: always start at the start size; a file path: also keep
             the sizes in that JSON file, shared by processes, ranks and restarted jobs,
@@ -351,6 +387,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
             function's entries for this device there too.
         snapshot_dir: record CUDA allocations during the call and write a memory snapshot
             there for each failed attempt (see :func:`record_history`).
+            Default ``None``: no snapshot.
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
             schedulers, a ``GradScaler``), Keras models (with their compiled optimizer's
             variables) and Keras optimizers, whose state, with a module's gradients, is
@@ -358,6 +395,7 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
             starts from the state the first one did. Copying or restoring that runs out of
             memory raises :class:`OutOfMemoryError` saying what it needed (chained to the
             framework's error; a copy to host memory suggests ``restore_to="file"``).
+            Default ``None``: nothing is restored.
         restore_to: where that copy is kept: ``"memory"`` (host memory, as fast as a tensor
             copy; the state's size held for the whole call), ``"file"`` (a temporary file in
             ``TMPDIR``, written one tensor at a time and read straight back into place: no
@@ -393,9 +431,10 @@ def oom_retry(func: Optional[Callable[..., Any]] = None, /, *,
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore, restore_to)
 
-    def decorate(f: Callable[..., Any]) -> Any:
+    def decorate(f: Callable[P, R]) -> RetryingFunction[P, R]:
         cfg = _Config(f, batch_size, arg, policy, keep_effective_batch, accumulation_arg,
                       cache, snapshot_dir, objects)
-        return _wrap(f, cfg)
+        wrapped: RetryingFunction[P, R] = _wrap(f, cfg)
+        return wrapped
 
     return decorate if func is None else decorate(func)

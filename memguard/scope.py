@@ -12,9 +12,9 @@ import gc
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, overload
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
-from ._checks import flag, positive_int, renamed
+from ._checks import flag, positive_int
 from ._decorate import function_kind, guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
@@ -325,6 +325,11 @@ class MemoryScope:
         would have to free); ``judge=False`` skips the ``max_leak`` verdict (a run that
         failed is not judged).
 
+        Args:
+            cleanup: ``"auto"``, ``"always"`` or ``"never"`` for this exit. Default ``None``:
+                the scope's own.
+            judge: apply the ``max_leak`` verdict. Default ``True``.
+
         >>> import memguard
         >>> scope = memguard.memory_scope("step", max_leak="1GiB").__enter__()
         >>> scope.close(cleanup="never", judge=False)
@@ -390,8 +395,9 @@ def memory_scope(name: Optional[str] = None, *, devices: Devices = None,
                  track_tensors: bool = False) -> MemoryScope: ...
 
 
-def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup = "auto",
-                 max_leak: Optional[Size] = None, track_tensors: bool = False) -> Any:
+def memory_scope(name: Union[str, F, None] = None, *, devices: Devices = None,
+                 cleanup: Cleanup = "auto", max_leak: Optional[Size] = None,
+                 track_tensors: bool = False) -> Union[MemoryScope, F]:
     """Measure a block's memory and clean up after it; a context manager and a decorator.
 
     On entry it snapshots every watched device (``devices``: a name, a list, or all active
@@ -415,13 +421,14 @@ def memory_scope(name: Any = None, *, devices: Devices = None, cleanup: Cleanup 
     Args:
         name: a label for the scope, in its summary, its log line and a monitor's marks. Given
             a function (bare ``@memory_scope``), the scope decorates it.
+            Default ``None``: unnamed.
         devices: the device name or names to watch (``"host"``, ``"cuda:0"``, ...); ``None``
             for every active device.
         cleanup: ``"auto"``, ``"always"`` or ``"never"``: what to do on exit (see above).
         max_leak: the most a device may retain, in bytes or a size such as ``"64MiB"``;
             ``None`` judges nothing.
         track_tensors: record the live tensors on entry and list in ``leaks`` those created
-            inside and still alive, with their holders.
+            inside and still alive, with their holders. Default ``False``.
 
     Returns:
         A :class:`MemoryScope`: a context manager whose figures are filled on exit, and a
@@ -608,10 +615,17 @@ class _Call:
         return over
 
 
-@renamed(policy="cleanup")
+@overload
+def frees_memory(func: F, /) -> F: ...
+@overload
+def frees_memory(func: None = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
+                 max_leak: Optional[Size] = None, warmup: int = 1,
+                 track_tensors: bool = False) -> Callable[[F], F]: ...
+
+
 def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
                  max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False) -> Any:
+                 track_tensors: bool = False) -> Union[F, Callable[[F], F]]:
     """Clean up after every call (or every ``every``-th call) of the decorated function.
 
     Works as ``@frees_memory`` and ``@frees_memory(...)`` on functions, methods,
@@ -644,13 +658,15 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
 
     Args:
         func: the function to decorate, for the bare ``@frees_memory``; left out when the
-            decorator is given arguments.
-        every: clean up after every ``every``-th call (a positive int).
+            decorator is given arguments. Default ``None``.
+        every: clean up after every ``every``-th call (a positive int). Default ``1``.
         cleanup: ``"auto"``, ``"always"`` or ``"never"`` (see above).
         max_leak: the most a call may keep on a device, in bytes or a size such as
             ``"256MiB"``; ``None`` judges nothing.
         warmup: how many first calls clean up without being judged against ``max_leak``.
+            Default ``1``.
         track_tensors: name the tensors that a call which kept too much created and left alive.
+            Default ``False``.
 
     Returns:
         The decorated function, with its signature, name and docstring (``@frees_memory``), or

@@ -270,7 +270,12 @@ class TensorInfo:
         return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
 
     def to_dict(self, holders: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; ``holders=True`` computes and includes the holder paths."""
+        """A JSON-ready dict.
+
+        Args:
+            holders: also compute and include ``holders`` and ``saved_by`` (a walk of the
+                referrers, milliseconds per tensor). Default ``False``.
+        """
         data = dict(zip(_FIELDS, self._row, strict=False))
         data["shape"] = list(self.shape)
         if holders:
@@ -303,8 +308,9 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
         device: only the tensors on this device (``"cuda:0"``, ``"cpu"`` or ``"host"``,
             ``"GPU:0"``); ``None`` for every device.
         min_bytes: leave out tensors smaller than this, in bytes or a size such as ``"1MiB"``.
+            Default ``0``.
         model: a ``torch.nn.Module`` whose parameters, grads and buffers are named
-            (``"0.weight"``, ``"0.weight.grad"``).
+            (``"0.weight"``, ``"0.weight.grad"``). Default ``None``: parameters are not named.
 
     Returns:
         A list of :class:`TensorInfo`, largest first; each storage's bytes are counted once.
@@ -988,7 +994,7 @@ def memory_report(device: Optional[str] = None, *, top: int = 20) -> str:
 
     Args:
         device: only the storages on this device; ``None`` for every device.
-        top: how many groups of storages to list (a positive int).
+        top: how many groups of storages to list (a positive int). Default ``20``.
 
     Returns:
         The report, a text table.

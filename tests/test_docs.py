@@ -5,6 +5,8 @@ build that passes with warnings as errors."""
 from __future__ import annotations
 
 import ast
+import html
+import importlib
 import inspect
 import os
 import re
@@ -88,6 +90,115 @@ def test_every_public_docstring_has_napoleon_sections_and_an_example(name):
                     f"memguard.{name}: Args: does not describe {param}"
 
 
+# -- every parameter described --------------------------------------------------------------
+
+def described(doc: str | None, what: str) -> dict[str, tuple[str, str]]:
+    """What napoleon makes of a docstring's ``Args:`` (``param``) and ``Attributes:``
+    (``ivar``) sections: name -> (kind, description)."""
+    from sphinx.ext.napoleon import Config, GoogleDocstring
+
+    config = Config(napoleon_use_param=True, napoleon_use_ivar=True, napoleon_use_rtype=False)
+    text = str(GoogleDocstring(doc or "", config, what=what))
+    found: dict[str, tuple[str, str]] = {}
+    for m in re.finditer(r"^:(param|ivar) (?:\\?\*){0,2}(\w+):(.*(?:\n[ \t]+\S.*)*)", text,
+                         re.MULTILINE):
+        found.setdefault(m.group(2), (m.group(1), " ".join(m.group(3).split())))
+    return found
+
+
+def resolve(path: str) -> object:
+    """The object a dotted name in an autodoc directive names."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def documented_signatures() -> list[tuple[str, object, list, tuple[str, ...]]]:
+    """Every parameter list the reference renders: each ``autofunction``, each ``autoclass``
+    or ``autoexception`` whose constructor is shown (not written ``Name()``), and the methods
+    its ``:members:`` option shows (all those the class defines when the option names none).
+    Each as (name, object, docstrings to read, the sections that may describe a parameter):
+    a constructor's parameters may be described as ``Attributes:`` (a result's fields)."""
+    folder = os.path.join(DOCS, "reference")
+    text = "\n".join(read("docs", "reference", name) for name in sorted(os.listdir(folder)))
+    entries = []
+    for kind, path, hidden, options in re.findall(
+            r"^\.\. auto(function|class|exception)::\s+([\w.]+)(\(\))?[ \t]*\n"
+            r"((?:   :[\w-]+:.*\n)*)", text, re.MULTILINE):
+        obj = resolve(path)
+        if kind == "function":
+            entries.append((path, obj, [inspect.getdoc(obj)], ("param",)))
+            continue
+        assert isinstance(obj, type)
+        if not hidden:
+            init = obj.__init__ if "__init__" in vars(obj) else None
+            entries.append((path, obj, [inspect.getdoc(obj), getattr(init, "__doc__", None)],
+                            ("param", "ivar")))
+        members = re.search(r"^   :members:(.*)$", options, re.MULTILINE)
+        if members is None:
+            continue
+        names = [n.strip() for n in members.group(1).split(",") if n.strip()] or \
+            [n for n in vars(obj) if not n.startswith("_")]
+        for name in names:
+            member = getattr(obj, name)
+            if isinstance(inspect.getattr_static(obj, name), property) or \
+                    isinstance(member, type) or not callable(member):
+                continue
+            entries.append((f"{path}.{name}", member, [inspect.getdoc(member)], ("param",)))
+    return entries
+
+
+def parameters(obj: object) -> list[inspect.Parameter]:
+    try:
+        signature = inspect.signature(obj)  # type: ignore[arg-type]
+    except ValueError:  # an exception with Exception's own constructor: none shown either
+        return []
+    return [p for p in signature.parameters.values() if p.name not in ("self", "cls")]
+
+
+def states_default(value: object, text: str) -> bool:
+    """Whether a description says a parameter's default: the word, or the value itself."""
+    if "default" in text.lower():
+        return True
+    forms = {repr(value), str(value)}
+    if isinstance(value, int) and not isinstance(value, bool):
+        forms.add(f"{value:_}")
+    return any(form in text for form in forms)
+
+
+def undescribed_parameters() -> list[str]:
+    problems = []
+    for name, obj, docs, kinds in documented_signatures():
+        what = "class" if inspect.isclass(obj) else "function"
+        found: dict[str, tuple[str, str]] = {}
+        for doc in docs:
+            found.update({k: v for k, v in described(doc, what).items() if v[0] in kinds})
+        for param in parameters(obj):
+            if param.name not in found or not found[param.name][1]:
+                problems.append(f"{name}: {param.name} is not described")
+            elif found[param.name][0] == "param" and param.default is not param.empty \
+                    and not states_default(param.default, found[param.name][1]):
+                problems.append(f"{name}: {param.name}'s default {param.default!r} is not said")
+    return problems
+
+
+def test_every_parameter_the_reference_shows_is_described_with_its_default():
+    shown = {name for name, *_ in documented_signatures()}
+    functions = [n for n in memguard.__all__ if inspect.isfunction(getattr(memguard, n))]
+    assert functions and all(f"memguard.{n}" in shown for n in functions), functions
+    assert "memguard.integrations.transformers.auto_microbatch" in shown
+    assert "memguard.MemoryMonitor.to_csv" in shown  # methods too
+    problems = undescribed_parameters()
+    assert not problems, "\n".join(problems)
+
+
 def test_readme_is_a_front_page_of_at_most_300_lines():
     lines = read("README.rst").splitlines()
     assert len(lines) <= 300, f"README.rst has {len(lines)} lines"
@@ -157,6 +268,17 @@ def test_the_site_builds_with_warnings_as_errors_and_lists_every_public_name(tmp
     assert not missing, f"no reference entry for memguard.{missing}"
     index = (out / "index.html").read_text()
     assert 'href="guides/trainers.html#hf-recovery"' in index
+    stray = {page.name: line for page in sorted((out / "guides").glob("*.html"))
+             for line in rendered_text(page.read_text()).splitlines() if "`" in line}
+    assert not stray, f"markup rendered as text (a backtick on the page): {stray}"
+
+
+def rendered_text(page: str) -> str:
+    """The words of a built page's article, code blocks left out: where reST markup failed
+    (a role inside a literal, emphasis around one), its backticks are left in these."""
+    article = page.split("<article", 1)[-1]
+    article = re.sub(r"<pre.*?</pre>", "", article, flags=re.DOTALL)
+    return html.unescape(re.sub(r"<[^>]+>", "", article))
 
 
 def guide_program(guide: str, first_line: str, after: str) -> str:
@@ -214,14 +336,15 @@ def test_the_step_level_programs_of_the_trainers_guide_train_every_step(tmp_path
 
 def test_the_benchmark_figure_draws_the_figures_the_guide_quotes(tmp_path):
     """benchmarks/plot.py draws benchmarks/figures.json; every non-integer figure in it is one
-    the out-of-memory guide's table quotes, so the picture and the text say the same."""
+    the comparison table (the out-of-memory guide's explanation page) quotes, so the picture
+    and the text say the same."""
     sys.path.insert(0, ROOT)
     try:
         from benchmarks import plot
     finally:
         sys.path.remove(ROOT)
     panels, source = plot.load(plot.FIGURES)
-    guide = read("docs", "guides", "out-of-memory.rst")
+    guide = read("docs", "guides", "recovery-internals.rst")
     for panel in panels:
         for bar in panel["bars"]:
             value = bar["value"]

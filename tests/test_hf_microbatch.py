@@ -299,7 +299,7 @@ def test_a_step_that_fits_is_left_whole_and_bad_arguments_are_named(tmp_path):
         auto_microbatch(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="reduction"):
         auto_microbatch(trainer, reduction="median")
-    with pytest.raises(TypeError, match="min_batch_size"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'min_size'"):
         auto_microbatch(trainer, min_size=2)
 
 

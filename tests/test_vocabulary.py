@@ -1,5 +1,5 @@
 """One way to say each thing: ``cleanup=`` means the same everywhere, devices come first,
-argument checks speak with one voice, and the older spellings warn instead of breaking."""
+argument checks speak with one voice."""
 
 import re
 import warnings
@@ -41,17 +41,6 @@ def test_every_guard_refuses_the_same_wrong_cleanup_values(guard, value):
 def test_the_older_boolean_spelling_is_refused_naming_the_word_to_write(guard, old, new):
     with pytest.raises(ValueError, match=f"got {old} \\(write cleanup='{new}'\\)"):
         GUARDS[guard](old)
-
-
-@pytest.mark.parametrize(("call", "old", "new"), [
-    (lambda: memguard.frees_memory(policy="always"), "policy", "cleanup"),
-    (lambda: memguard.auto_microbatch(object(), min_size=2), "min_size", "min_batch_size"),
-    (lambda: memguard.find_batch_size(len, max_trials=3), "max_trials", "max_attempts"),
-])
-def test_renamed_arguments_are_refused_naming_the_new_name(call, old, new):
-    with pytest.raises(TypeError, match=f"keyword argument {old}, which is now {new}: write "
-                                        f"{new}="):
-        call()
 
 
 def test_cleanup_never_measures_without_cleaning_in_every_guard():

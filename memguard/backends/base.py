@@ -58,6 +58,11 @@ class Reading(NamedTuple):
     """A cheap reading of one device (:meth:`Backend.read_fast`), in bytes; ``None`` where the
     backend cannot tell.
 
+    Args:
+        allocated: the bytes the allocator has handed out to live objects, or ``None``.
+        reserved: the bytes the allocator holds from the system (the resident set on the
+            host), or ``None``.
+
     >>> Reading(100, 4096).reserved
     4096
     """
@@ -68,6 +73,9 @@ class Reading(NamedTuple):
     def lower(self, other: "Reading") -> "Reading":
         """Per field, the lower of two readings (the known one where only one is known).
 
+        Args:
+            other: the reading to compare with.
+
         >>> Reading(5, None).lower(Reading(7, 9))
         Reading(allocated=5, reserved=9)
         """
@@ -75,7 +83,11 @@ class Reading(NamedTuple):
                        _pick(min, self.reserved, other.reserved))
 
     def higher(self, other: "Reading") -> "Reading":
-        """Per field, the higher of two readings (the known one where only one is known)."""
+        """Per field, the higher of two readings (the known one where only one is known).
+
+        Args:
+            other: the reading to compare with.
+        """
         return Reading(_pick(max, self.allocated, other.allocated),
                        _pick(max, self.reserved, other.reserved))
 
@@ -130,6 +142,9 @@ class Backend(abc.ABC):
         taken on: ``allocated`` (glibc's ``mallinfo2`` on the host, the caching allocator's
         ``allocated`` on a GPU), ``reserved`` where the backend cannot tell ``allocated``.
 
+        Args:
+            reading: a reading of one device (:meth:`read_fast`), in bytes.
+
         >>> Backend.in_use(Reading(100, 4096)), Backend.in_use(Reading(None, 4096))
         (100, 4096)
         """
@@ -151,14 +166,26 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def owns(self, device: str) -> bool:
-        """Whether ``device`` is a name this backend answers for."""
+        """Whether ``device`` is a name this backend answers for.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
 
     @abc.abstractmethod
     def read(self, device: str) -> DeviceMemory:
-        """Everything known about ``device``'s memory."""
+        """Everything known about ``device``'s memory.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
 
     def read_fast(self, device: str) -> Reading:
-        """``(allocated, reserved)`` of ``device``, as cheaply as possible (microseconds)."""
+        """``(allocated, reserved)`` of ``device``, as cheaply as possible (microseconds).
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
         mem = self.read(device)
         return Reading(mem.allocated, mem.reserved)
 
@@ -185,12 +212,20 @@ class Backend(abc.ABC):
         return self.read_fast(device)
 
     def read_peak(self, device: str) -> Optional[int]:
-        """The device's peak counter (bytes), or ``None`` if it has none."""
+        """The device's peak counter (bytes), or ``None`` if it has none.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
         return self.read(device).peak
 
     @abc.abstractmethod
     def reset_peak(self, device: str) -> bool:
-        """Reset the device's peak counter to its current level; ``False`` if it cannot."""
+        """Reset the device's peak counter to its current level; ``False`` if it cannot.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
 
     @abc.abstractmethod
     def empty_cache(self) -> None:

@@ -250,13 +250,19 @@ class CallbackBase:
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        """The out-of-memory failures seen: ``step``, ``batch_size``, ``error``, ``memory``."""
+        """Every out-of-memory failure seen, in order, each a dict of ``step``, ``batch_size``,
+        ``error`` and ``memory``."""
         return self._tracker.failures
 
     def on_retry(self, attempt: Attempt) -> None:
         """``oom_retry(on_retry=callback.on_retry)``: record the failure (unless the callback
         saw it already; logged at DEBUG, ``oom_retry`` has logged it) and be ready for the next
-        attempt."""
+        attempt.
+
+        Args:
+            attempt: the failed :class:`memguard.Attempt` that ``oom_retry`` hands its
+                ``on_retry``.
+        """
         self._tracker.on_retry(attempt)
 
 

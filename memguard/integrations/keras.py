@@ -47,6 +47,7 @@ class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
+            Default ``False``.
         cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;

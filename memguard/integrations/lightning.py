@@ -22,10 +22,13 @@ import contextlib
 import logging
 import sys
 import types
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from ..loop import Attempt
-from ..microbatch import auto_microbatch
+from .._units import Size
+from ..cleanup import Cleanup
+from ..distributed import Sync
+from ..loop import Attempt, Factor
+from ..microbatch import Reduction, auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:  # the standalone package first: it is what memguard-ml[lightning] installs
@@ -71,16 +74,34 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
+            Default ``False``.
         cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
             ``None`` for epochs only.
         microbatch: recover from an out-of-memory inside each training step: the batch is
             redone in slices within the same optimizer step, with the unsplit step's
-            gradients (see below). Needs automatic optimisation.
-        **options: with ``microbatch=True``, :func:`memguard.auto_microbatch`'s options:
-            ``min_batch_size``, ``factor``, ``max_attempts``, ``on_retry``, ``sync``,
-            ``reduction``, ``weight``, ``grow_every`` and ``recompute``.
+            gradients (see below). Needs automatic optimisation. Default ``False``.
+        min_batch_size: with ``microbatch=True``, the smallest slice size tried, in samples.
+            Default ``None``: :func:`memguard.auto_microbatch`'s (1).
+        factor: with ``microbatch=True``, the next slice size is ``floor(size * factor)``;
+            ``"auto"`` measures it; a callable ``size -> next size`` decides. Default
+            ``None``: :func:`memguard.auto_microbatch`'s (0.5).
+        max_attempts: with ``microbatch=True``, the most passes over one batch. Default
+            ``None``: until ``min_batch_size``.
+        on_retry: with ``microbatch=True``, called with each failed :class:`memguard.Attempt`
+            after the cleanup. Default ``None``: nothing is called.
+        sync: with ``microbatch=True``, agree with the other ranks after each pass
+            (``"auto"``, ``True``, ``False``). Default ``None``: ``"auto"``.
+        reduction: with ``microbatch=True``, ``"mean"`` or ``"sum"``, what the loss is over
+            its samples. Default ``None``: ``"mean"``.
+        weight: with ``microbatch=True``, a callable taking a slice and returning the count
+            its loss averages over (tokens). Default ``None``: see below.
+        grow_every: with ``microbatch=True``, try the next larger slice size after this many
+            steps without an out-of-memory. Default ``None``: never.
+        recompute: with ``microbatch=True``, recompute activations when one slice of
+            ``min_batch_size`` still runs out of memory. Default ``None``:
+            :func:`memguard.auto_microbatch`'s (``True``).
 
     With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
     runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)
@@ -114,8 +135,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             for one of the wrong type), named with its
             value; with ``microbatch=True``, a module with ``automatic_optimization = False``
             (at ``fit``: call :func:`memguard.auto_microbatch` in its ``training_step``).
-        TypeError: an option that ``auto_microbatch`` does not take, or options without
-            ``microbatch=True``.
+        TypeError: ``auto_microbatch``'s options without ``microbatch=True``.
         OutOfMemoryError: during ``fit``, when the smallest slice runs out of memory too.
 
     >>> from memguard.integrations.lightning import MemguardCallback
@@ -130,18 +150,24 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     _framework = "lightning"
     _run_links = ("log", "log_dict")  # the LightningModule's, attached by Lightning at fit
 
-    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
-                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None, *,
-                 microbatch: bool = False, **options: Any) -> None:
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Cleanup = "auto", log_every_n_steps: Optional[int] = None, *,
+                 microbatch: bool = False, min_batch_size: Optional[int] = None,
+                 factor: Optional[Factor] = None, max_attempts: Optional[int] = None,
+                 on_retry: Optional[Callable[[Attempt], object]] = None,
+                 sync: Optional[Sync] = None, reduction: Optional[Reduction] = None,
+                 weight: Optional[Callable[[Any], Any]] = None,
+                 grow_every: Optional[int] = None,
+                 recompute: Optional[bool] = None) -> None:
         super().__init__(max_leak, track_tensors, cleanup, log_every_n_steps)
         if not isinstance(microbatch, bool):
             raise TypeError(f"MemguardCallback: microbatch must be True or False, got "
                             f"{microbatch!r}")
-        unknown = sorted(set(options) - set(MICROBATCH_OPTIONS))
-        if unknown:
-            raise TypeError(f"MemguardCallback got unexpected option(s) {', '.join(unknown)}; "
-                            f"with microbatch=True it takes auto_microbatch's "
-                            f"{', '.join(MICROBATCH_OPTIONS)}")
+        given = dict(min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
+                     on_retry=on_retry, sync=sync, reduction=reduction, weight=weight,
+                     grow_every=grow_every, recompute=recompute)
+        options: dict[str, Any] = {name: value for name, value in given.items()
+                                   if value is not None}
         if options and not microbatch:
             raise TypeError(f"MemguardCallback: {', '.join(sorted(options))} are "
                             f"auto_microbatch's options: pass microbatch=True with them")
@@ -173,7 +199,12 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         return {"microbatch_size": self.microbatch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Start from the slice size a checkpoint kept (see :meth:`state_dict`)."""
+        """Start from the slice size a checkpoint kept (see :meth:`state_dict`).
+
+        Args:
+            state_dict: what :meth:`state_dict` returned when the checkpoint was saved; a
+                ``microbatch_size`` that is not a positive int is ignored.
+        """
         size = state_dict.get("microbatch_size")
         if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             self._size = size

@@ -17,10 +17,13 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-from ..loop import Attempt
-from ..microbatch import auto_microbatch as _auto_microbatch
+from .._units import Size
+from ..cleanup import Cleanup
+from ..distributed import Sync
+from ..loop import Attempt, Factor
+from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
 from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
 
 try:
@@ -30,7 +33,11 @@ try:
 except ImportError:
     raise missing("transformers", "transformers", "Hugging Face transformers") from None
 
+if TYPE_CHECKING:
+    import transformers
+
 log = logging.getLogger("memguard")
+TrainerT = TypeVar("TrainerT", bound="_transformers.Trainer")
 
 
 class MemguardCallback(CallbackBase, _TrainerCallback):
@@ -65,6 +72,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
         max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
             or a size such as ``"256MiB"``; ``None`` judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
+            Default ``False``.
         cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
             ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
@@ -89,9 +97,9 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
     _run_links = ("_trainer",)  # a weak reference, found again at the next train
     _run = "train"
 
-    def __init__(self, max_leak: Any = None, track_tensors: bool = False,
-                 cleanup: Any = "auto", log_every_n_steps: Optional[int] = None,
-                 trainer: Any = None) -> None:
+    def __init__(self, max_leak: Optional[Size] = None, track_tensors: bool = False,
+                 cleanup: Cleanup = "auto", log_every_n_steps: Optional[int] = None,
+                 trainer: Optional[transformers.Trainer] = None) -> None:
         super().__init__(max_leak=max_leak, track_tensors=track_tensors, cleanup=cleanup,
                          log_every_n_steps=log_every_n_steps)
         if trainer is not None:
@@ -609,7 +617,11 @@ class MicrobatchState(_TrainerCallback, _ExportableState):
 
     @staticmethod
     def state_of(size: Optional[int]) -> dict[str, Any]:
-        """What ``trainer_state.json`` holds for ``size``."""
+        """What ``trainer_state.json`` holds for ``size``.
+
+        Args:
+            size: the slice size learned, in samples, or ``None`` before a batch was split.
+        """
         return {"args": {}, "attributes": {"microbatch_size": size}}
 
     def state(self) -> dict[str, Any]:
@@ -649,7 +661,13 @@ def _causal_loss(trainer: Any) -> bool:
         return False
 
 
-def auto_microbatch(trainer: Any, **options: Any) -> Any:
+def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Factor = 0.5,
+                    max_attempts: Optional[int] = None,
+                    on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
+                    reduction: Optional[Reduction] = None,
+                    weight: Optional[Callable[[Any], Any]] = None,
+                    grow_every: Optional[int] = None, scaler: Any = None,
+                    recompute: bool = True) -> TrainerT:
     """Make a Hugging Face ``Trainer`` redo a batch in slices when it runs out of memory in
     forward or backward, inside ``train()``: no restart, no lost step, ``state.global_step``
     as if nothing happened.
@@ -682,14 +700,32 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass, not yet training.
-        **options: :func:`memguard.auto_microbatch`'s (``min_batch_size``, ``factor``,
-            ``max_attempts``, ``on_retry``, ``sync``, ``weight``, ``grow_every``,
-            ``scaler``; ``reduction`` overrides the choice above). ``scaler`` defaults to the
-            accelerator's.
+        min_batch_size: the smallest slice size tried, in samples (default 1).
+        factor: the next slice size is ``floor(size * factor)`` (default 0.5); ``"auto"``
+            measures it; a callable ``size -> next size`` decides.
+        max_attempts: the most passes over one batch (default ``None``: until
+            ``min_batch_size``).
+        on_retry: called with each failed :class:`memguard.Attempt` after the cleanup, before
+            the batch is redone (default ``None``).
+        sync: agree with the other ranks of a distributed job after each pass (``"auto"``,
+            the default: when there is more than one rank; ``True``; ``False``).
+        reduction: ``"mean"`` or ``"sum"``, what the loss is over its samples; default
+            ``None``: chosen as above (``"sum"`` against ``num_items_in_batch``, else a mean
+            weighted by ``weight``).
+        weight: a callable taking a slice and returning the count its loss averages over
+            (tokens, say); default ``None``: the labels that are not -100, or the samples.
+        grow_every: after this many training steps without an out-of-memory, try the next
+            larger slice size; default ``None``: never.
+        scaler: a ``torch.amp.GradScaler`` that scales each backward; default ``None``: the
+            accelerator's, if it has one.
+        recompute: when one slice of ``min_batch_size`` still runs out of memory, redo the
+            batch with the model's gradient checkpointing on, for that batch only;
+            default ``True`` (``False``: give up there).
 
     Returns:
-        The same trainer; ``trainer.training_step.microbatch_size`` and ``.history`` tell
-        what the last step did.
+        The same trainer (typed as the class given, a subclass included);
+        ``trainer.training_step.microbatch_size`` and ``.history`` tell what the last step
+        did.
 
     Raises:
         TypeError: ``trainer`` is not a ``Trainer``, or an option is unknown or of the wrong
@@ -708,12 +744,18 @@ def auto_microbatch(trainer: Any, **options: Any) -> Any:
     4
     """
     _check_trainer(trainer, "auto_microbatch")
+    options: dict[str, Any] = dict(
+        min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
+        on_retry=on_retry, sync=sync, weight=weight, grow_every=grow_every, scaler=scaler,
+        recompute=recompute)
+    if reduction is not None:  # else chosen at the first step (see above)
+        options["reduction"] = reduction
     _auto_microbatch(trainer.model, **options)  # the options, checked now
     current = trainer.__dict__.get("training_step")
     original = current.original if isinstance(current, MicrobatchedTrainingStep) \
         else trainer.training_step
     step = MicrobatchedTrainingStep(trainer, original, dict(options))
-    trainer.training_step = step
+    trainer.training_step = step  # type: ignore[method-assign]  # the instance's own step
     _joiner(trainer).each["microbatch"] = step.figures
     if not any(isinstance(c, MicrobatchState) for c in trainer.callback_handler.callbacks):
         trainer.add_callback(MicrobatchState())  # the size learned, kept with checkpoints
