@@ -837,10 +837,10 @@ finish({"outcome": outcome, "sizes": [a.size for a in step.history], "error": er
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="a large persistent buffer under a budget plain torch "
-                                       "fits: the buffer is watched, not copied; under "
-                                       "pytest the second step still splits once (about 20 "
-                                       "MiB of address space short; it passes where the heap is less fragmented, "
-                                        "so the row is not strict)")
+                                        "fits: the buffer is watched, not copied; under "
+                                        "pytest the second step may still split once (about "
+                                        "20 MiB of address space short where the heap is "
+                                        "fragmented), so the row is not strict")
 def test_a_large_buffer_under_a_budget_plain_torch_fits(python_in_subprocess):
     from budget import ENV, script
     out = python_in_subprocess(script(BUFFER), env=ENV, timeout=300)
