@@ -298,6 +298,7 @@ class Settler:
         return True
 
     def _collect(self, pairs: Pairs, held: list[str], entry: Readings, kind: str) -> Readings:
+        start = read_all(pairs, kind)
         gc.collect(1)
         now = read_all(pairs, kind)
         still = [d for d in self._held(pairs, now, entry) if d in held]
@@ -306,7 +307,11 @@ class Settler:
             now = read_all(pairs, kind)
             still = [d for d in self._held(pairs, now, entry) if d in held]
         if self.adaptive:
-            (self._gc.useless if still else self._gc.useful)()
+            # Useless only if it freed nothing: a collection that frees a leaked cycle each
+            # call is useful even while other growth (caches, lazy inits) stays held.
+            freed = any(-_growth(now, start, "allocated", d) > b.hold_tolerance
+                        for b, d in pairs if d in held)
+            (self._gc.useless if still and not freed else self._gc.useful)()
         log.debug("collected garbage; still held on %s", still or "no device")
         return now
 
