@@ -57,12 +57,16 @@ from typing import (
     overload,
 )
 
-from . import _recompute
 from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, plan_batch
-from .backends import torch_distributed, torch_fsdp, torch_training as training
+from .backends import (
+    torch_distributed,
+    torch_fsdp,
+    torch_recompute,
+    torch_training as training,
+)
 from .cleanup import free_memory
 from .distributed import OK, Sync
 from .errors import OutOfMemoryError, oom_kind
@@ -282,7 +286,7 @@ class _Step(Loop):
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
         self.fallback = None
-        self.recomputing = False  # this batch's passes recompute activations (see _recompute)
+        self.recomputing = False  # this batch's passes recompute activations (torch_recompute)
         if found is None:
             params, slots = training.trained(cfg.model)
             hooked = training.fused_steps(params, cfg.ddp)
@@ -548,7 +552,7 @@ class _Step(Loop):
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
         if self.recomputing:
-            with _recompute.recomputing(self.cfg.model):
+            with torch_recompute.recomputing(self.cfg.model):
                 return self._slices(wrapped, args, kwargs)
         return self._slices(wrapped, args, kwargs)
 
@@ -673,7 +677,7 @@ class _Step(Loop):
         if upcoming is None and cfg.recompute and not self.recomputing and not cfg.sharded \
                 and self.size <= policy.min_batch_size \
                 and (policy.max_attempts is None or self.tries < policy.max_attempts) \
-                and _recompute.available(cfg.model):
+                and torch_recompute.available(cfg.model):
             # the last rung: the same slices, their activations recomputed in backward
             self.recomputing = True
             log.warning("%s: out of memory at microbatch_size=%d, the smallest; redoing "
