@@ -273,14 +273,14 @@ MODEL = torch.nn.Sequential(torch.nn.Linear(3, 2))
 def test_an_instance_is_named_by_the_global_that_roots_it():
     # before: "Holder object .t", a path that names nothing the program can delete
     REGISTRY["run1"] = Holder(torch.ones(13, 12))
-    found = find_holders(REGISTRY["run1"].t)
+    found = holders(REGISTRY["run1"].t)
     REGISTRY.clear()
     assert f"module {__name__}, global REGISTRY['run1'].t" in found, found
 
 
 def test_a_module_in_a_model_is_named_by_the_global_that_roots_it():
     # before: "Linear object .weight"
-    found = find_holders(MODEL[0].weight)
+    found = holders(MODEL[0].weight)
     assert f"module {__name__}, global MODEL.0.weight" in found, found
 
 
@@ -292,7 +292,7 @@ def test_an_instance_rooted_nowhere_keeps_its_own_form():
         cycle.me = cycle
         tensor = cycle.t
         del cycle
-        found = find_holders(tensor)
+        found = holders(tensor)
     finally:
         gc.enable()
     assert "Holder object .t" in found, found
