@@ -502,6 +502,7 @@ HF_ROWS = [
     (frozenset({"checkpointing"}), "num_items", LATER_FORWARD, {}),
     (frozenset({"frozen"}), "sample_mean", FIRST_BACKWARD,
      {"weight": lambda b: len(b["labels"])}),
+    (frozenset(), "sample_mean", LATER_FORWARD, {}),  # no weight=: read from the loss
     (frozenset(), "sum", (Point(1, 3, "backward"),), {"reduction": "sum"}),
     (frozenset({"tied"}), "num_items", (Point(1, 2, "forward"), Point(3, 4, "backward")),
      {"arguments": {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
@@ -517,9 +518,9 @@ def test_hugging_face_trainer_matches_the_plain_trainer(tmp_path, features, loss
     hf_compare(tmp_path, features, loss, where, **extra)
 
 
-@pytest.mark.xfail(strict=True, reason="a forward taking **kwargs that returns its own plain "
-                                       "mean: each split step is multiplied by its slices")
 def test_hugging_face_model_with_kwargs_and_its_own_mean(tmp_path):
+    # a mean over samples, the Trainer passing num_items_in_batch that it ignores: found out
+    # from the loss's values, not assumed to be over tokens (0.189 off) or divided by them
     hf_compare(tmp_path, frozenset(), "own_mean", (Point(0, 0, "forward"),
                                                    Point(1, 0, "forward")))
 

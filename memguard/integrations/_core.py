@@ -10,6 +10,7 @@ step-level readings of ``log_every_n_steps``.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import Any, Callable, Optional
 
@@ -324,7 +325,7 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
 
     def weight(batch: Any) -> Any:
         if not hasattr(batch, "keys"):
-            return _length(batch)
+            return samples_in(batch)
         if "shift_labels" in batch:
             what, labels = "shift_labels", batch["shift_labels"]
         elif "labels" in batch and hasattr(batch["labels"], "ne"):
@@ -332,13 +333,57 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
             if shifts and labels.dim() > 1:
                 what, labels = "labels[..., 1:]", labels[..., 1:]
         else:
-            return _length(batch)
+            return samples_in(batch)
         if told is not None and not said:
             said.append(True)
             told(what)
         return labels.ne(-100).sum()
 
     return weight
+
+
+def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
+                  length: int, most: int = 4) -> Optional[str]:
+    """What a loss's own mean is over, read from its values: ``loss(i, j)`` on samples
+    ``i:j`` of a batch of ``length`` and ``tokens(i, j)`` the tokens counted there. A mean
+    over tokens weights each sample by its tokens, one over samples weights them alike: the
+    loss of the first ``most`` samples together is predicted from their single losses both
+    ways, and the prediction it matches wins.
+
+    Returns:
+        ``"tokens"`` or ``"samples"``; ``"either"`` where the two predictions agree (no
+        padding and equal lengths: the same weighting); ``None`` where neither matches (a
+        weighting of its own) or fewer than two samples say nothing.
+
+    >>> values, counts = [2.0, 4.0], [1, 3]
+    >>> def token_mean(i, j):
+    ...     return sum(v * c for v, c in zip(values[i:j], counts[i:j])) / sum(counts[i:j])
+    >>> averaged_over(token_mean, lambda i, j: sum(counts[i:j]), 2)
+    'tokens'
+    """
+    n = min(length, most)
+    if n < 2:
+        return None
+    singles = [(loss(i, i + 1), tokens(i, i + 1)) for i in range(n)]
+    whole = loss(0, n)
+    counted = [(value, count) for value, count in singles if count > 0]
+    if not math.isfinite(whole) or not counted or any(count < 0 for _, count in singles) \
+            or any(not math.isfinite(value) for value, _ in counted):
+        return None
+    scale = max(abs(whole), 1e-12)
+    by_tokens = sum(v * c for v, c in counted) / sum(c for _, c in counted)
+    if any(not math.isfinite(value) for value, _ in singles):
+        # a sample without tokens has no mean of its own (0/0): a mean over tokens only
+        return "tokens" if abs(whole - by_tokens) <= 1e-3 * scale else None
+    by_samples = sum(value for value, _ in singles) / n
+    gap = abs(by_tokens - by_samples)
+    if gap <= 1e-4 * scale:
+        return "either"
+    if abs(whole - by_tokens) <= 0.05 * gap:
+        return "tokens"
+    if abs(whole - by_samples) <= 0.05 * gap:
+        return "samples"
+    return None
 
 
 def causal_lm(module: Any) -> bool:
@@ -356,11 +401,12 @@ def causal_lm(module: Any) -> bool:
         return False
 
 
-def _length(batch: Any) -> int:
+def samples_in(batch: Any) -> int:
+    """The samples of ``batch`` (its length along the batch dimension)."""
     from .._slices import plan_batch
 
     return int(plan_batch(batch).length or 0)
 
 
-__all__ = ["CallbackBase", "Tracker", "causal_lm", "check_options", "metrics_of", "missing",
-           "retry_running", "token_weight"]
+__all__ = ["CallbackBase", "Tracker", "averaged_over", "causal_lm", "check_options",
+           "metrics_of", "missing", "retry_running", "samples_in", "token_weight"]

@@ -22,9 +22,19 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from .._units import Size
 from ..cleanup import Cleanup
 from ..distributed import Sync
+from ..errors import is_oom_error
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
+from ._core import (
+    TRAIN,
+    VAL,
+    CallbackBase,
+    averaged_over,
+    causal_lm,
+    missing,
+    samples_in,
+    token_weight,
+)
 
 try:
     import transformers as _transformers
@@ -298,8 +308,10 @@ class MicrobatchedTrainingStep:
         self._steps: dict[str, tuple[Any, Any]] = {}  # reduction -> (model ref, step)
         self._last: Optional[Any] = None
         self._checked = False
-        # whether a model's loss divides by num_items_in_batch, found out once per model
-        self._uses_items: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        # what a model's loss is a mean over (with and without num_items_in_batch passed),
+        # found out once per model
+        self._units: "weakref.WeakKeyDictionary[Any, dict[bool, str]]" = \
+            weakref.WeakKeyDictionary()
         self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
@@ -398,14 +410,14 @@ class MicrobatchedTrainingStep:
         options = dict(self._options)
         options["reduction"] = reduction
         if reduction == "mean" and options.get("weight") is None:
-            options["weight"] = _default_weight(trainer)
+            options["weight"] = self._probed_weight(trainer, items=False)
         elif reduction == "sum" and "reduction" not in self._options \
                 and options.get("weight") is None and trainer.loss_is_scaled_for_ga is None:
             # the Trainer takes the loss to be divided by num_items_in_batch because the model
             # accepts **kwargs: whether it is, is found out at the first split
             options["reduction"] = "mean"
-            options["weight"] = self._items_weight(trainer, _default_weight(trainer))
-        if options.get("weight") is not None:
+            options["weight"] = self._probed_weight(trainer, items=True)
+        elif options.get("weight") is not None:
             counted = options["weight"]
             options["weight"] = lambda piece: counted(_Packed.rebuild(piece))
         if options.get("scaler") is None and getattr(trainer.accelerator, "scaler", None):
@@ -448,78 +460,118 @@ class MicrobatchedTrainingStep:
         return step
 
 
-    def _items_weight(self, trainer: Any, by_tokens: Callable[[Any], Any]
-                      ) -> Callable[[Any], Any]:
-        """The weight of a slice when the Trainer passes ``num_items_in_batch``: 1 (the
-        slices' losses add up) for a loss divided by it, as the Trainer assumes; for a
-        loss that ignores it (a model whose ``forward`` takes ``**kwargs`` and returns its
-        own mean), ``by_tokens``. Called first with the whole batch when a pass splits it."""
+    def _probed_weight(self, trainer: Any, items: bool) -> Callable[[Any], Any]:
+        """The weight of a slice for a loss whose reduction the Trainer does not say, found
+        out once per model by :func:`_loss_unit` at its first split (called first with the
+        whole batch): 1 for a loss divided by ``num_items_in_batch`` (``items``: the
+        Trainer passes it), else the slice's tokens (labels that are not -100) or samples,
+        whichever the loss's own mean is over."""
+        by_tokens = _default_weight(trainer)
 
-        def weight(batch: Any) -> Any:
+        def weight(piece: Any) -> Any:
             context = self._context
-            if context is None:  # pragma: no cover - only called inside a step
+            unit = "tokens"
+            if context is not None:
+                model, count = context
+                found = self._units.setdefault(model, {})
+                if items not in found:
+                    found[items] = _loss_unit(trainer, model, _Packed.rebuild(piece),
+                                              count if items else None, by_tokens)
+                unit = found[items]
+            if unit == "items":
                 return 1
-            model, items = context
-            uses = self._uses_items.get(model)
-            if uses is None:
-                uses = _loss_uses_items(trainer, model, batch, items)
-                self._uses_items[model] = uses
-            return 1 if uses else by_tokens(batch)
+            if unit == "samples":
+                return len(piece) if type(piece) is _Packed else samples_in(piece)
+            return by_tokens(_Packed.rebuild(piece))
 
         return weight
 
 
-def _loss_uses_items(trainer: Any, model: Any, batch: Any, items: Any) -> bool:
-    """Whether the loss ``trainer.compute_loss`` gives for ``model`` is divided by
-    ``num_items_in_batch``, found by computing it twice on one sample of ``batch`` with
-    ``items`` and ``2 * items`` (the unwrapped model in eval mode, without gradients, the
-    random number generators restored): half the loss when it is, the same loss when the
-    model ignores it. Logged; undecided (a loss of zero, one that depends on the count
-    otherwise, an FSDP-sharded model whose forward would gather on one rank only), the
-    Trainer's assumption stands."""
+def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
+               by_tokens: Callable[[Any], Any]) -> str:
+    """What the loss ``trainer.compute_loss`` gives for ``model`` is a mean over:
+    ``"items"`` where it is divided by ``num_items_in_batch`` (``items``, passed by the
+    Trainer: half the loss with ``2 * items``), else ``"tokens"`` or ``"samples"``
+    (:func:`~memguard.integrations._core.averaged_over` on the first samples of
+    ``batch``). Computed on the unwrapped model in eval mode, without gradients, the random
+    number generators restored, and logged. Undecided (a loss of zero, a weighting of its
+    own, an FSDP-sharded model whose forward would gather on one rank only, out of memory),
+    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens."""
     import torch
 
     from .._slices import plan_batch
     from ..backends import torch_fsdp
 
     name = type(trainer).__name__
-    if items is None or torch_fsdp.units(model):
-        return True
+    assumed = "items" if items is not None else "tokens"
+    if torch_fsdp.units(model):
+        return assumed
     unwrapped = trainer.accelerator.unwrap_model(model)
-    packed = _Packed.of(batch)  # a packed row: one of its sequences, not the whole row
+    packed = _Packed.of(batch)  # a packed row: its sequences, not the whole row
     source = batch if packed is None else packed
     plan = plan_batch(source)
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    for i in range(min(int(plan.length or 0), 4)):
-        piece = _Packed.rebuild(plan.cut(source, i, i + 1))
-        inputs = trainer._prepare_inputs(piece)  # noqa: SLF001 - as training_step
+
+    def piece(i: int, j: int) -> Any:
+        return _Packed.rebuild(plan.cut(source, i, j))
+
+    def loss(i: int, j: int, count: Any = items) -> float:
+        inputs = trainer._prepare_inputs(piece(i, j))  # noqa: SLF001 - as training_step
         was = unwrapped.training
         with torch.random.fork_rng(devices=devices), torch.no_grad(), \
                 trainer.compute_loss_context_manager():
             unwrapped.eval()
             try:
-                once = float(trainer.compute_loss(unwrapped, dict(inputs),
-                                                  num_items_in_batch=items))
-                twice = float(trainer.compute_loss(unwrapped, dict(inputs),
-                                                   num_items_in_batch=items * 2))
+                return float(trainer.compute_loss(unwrapped, dict(inputs),
+                                                  num_items_in_batch=count))
             finally:
                 unwrapped.train(was)
+
+    try:
+        if items is not None:
+            divided = _divided_by_items(loss, items, int(plan.length or 0))
+            if divided is not False:
+                if divided is None:
+                    log.warning(
+                        "auto_microbatch(trainer): could not tell whether %s's loss is "
+                        "divided by num_items_in_batch; a split step adds its slices' losses, "
+                        "as the Trainer assumes. Set loss_is_scaled_for_ga on the Trainer "
+                        "(False: a mean of its own) to say", name)
+                return "items"
+        unit = averaged_over(loss, lambda i, j: float(by_tokens(piece(i, j))),
+                             int(plan.length or 0))
+    except Exception as error:  # out of memory in the probe: the assumption stands
+        if not is_oom_error(error):
+            raise
+        unit = None
+    ignores = " ignores num_items_in_batch and" if items is not None else ""
+    if unit in ("tokens", "samples"):
+        log.info("auto_microbatch(trainer): %s's loss%s is a mean over %s: a split step "
+                 "weights its slices by their %s", name, ignores, unit,
+                 "labels that are not -100" if unit == "tokens" else "samples")
+        return unit
+    if unit is None:
+        log.warning("auto_microbatch(trainer): could not tell whether %s's loss%s is a mean "
+                    "over tokens or over samples; a split step weights its slices by their "
+                    "labels that are not -100. Pass weight= to say", name, ignores)
+    return "tokens"
+
+
+def _divided_by_items(loss: Callable[..., float], items: Any, length: int
+                      ) -> Optional[bool]:
+    """Whether ``loss(i, j, count)`` is divided by ``count``, from one sample's loss with
+    ``items`` and ``2 * items``: half when it is, the same when it ignores it; ``None``
+    where no sample of the first four says (zero, or a dependence of another kind)."""
+    for i in range(min(length, 4)):
+        once, twice = loss(i, i + 1, items), loss(i, i + 1, items * 2)
         if not math.isfinite(once) or once == 0:
             continue
         if abs(once - twice) <= 1e-3 * abs(once):
-            log.info("auto_microbatch(trainer): %s's loss ignores num_items_in_batch (a "
-                     "mean of its own, as a model whose forward takes **kwargs may return): "
-                     "a split step weights its slices by their labels that are not -100, or "
-                     "by samples", name)
             return False
         if abs(once - 2 * twice) <= 1e-3 * abs(once):
             return True
-        break
-    log.warning("auto_microbatch(trainer): could not tell whether %s's loss is divided by "
-                "num_items_in_batch; a split step adds its slices' losses, as the Trainer "
-                "assumes. Set loss_is_scaled_for_ga on the Trainer (False: a mean of its own) "
-                "to say", name)
-    return True
+        return None
+    return None
 
 
 class _Span:
@@ -686,9 +738,10 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     divided by it (a model whose ``forward`` takes ``**kwargs`` may return its own mean) is
     checked once per model at its first split, unless the Trainer sets
     ``loss_is_scaled_for_ga``: two gradient-free losses of one sample, with the count and
-    twice it. Otherwise each slice's loss is weighted by ``weight`` (default: the labels
-    that are not -100, shifted as the Trainer counts them, or samples when the batch has no
-    labels). With
+    twice it. Otherwise each slice's loss is weighted by ``weight``; by default by what the
+    loss's own mean is over, read at the same first split from the gradient-free losses of
+    the batch's first four samples alone and together: its labels that are not -100
+    (shifted as the Trainer counts them) or its samples. With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
@@ -713,7 +766,8 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
             ``None``: chosen as above (``"sum"`` against ``num_items_in_batch``, else a mean
             weighted by ``weight``).
         weight: a callable taking a slice and returning the count its loss averages over
-            (tokens, say); default ``None``: the labels that are not -100, or the samples.
+            (tokens, say); default ``None``: the labels that are not -100 or the samples,
+            whichever the loss is read to average over.
         grow_every: after this many training steps without an out-of-memory, try the next
             larger slice size; default ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward; default ``None``: the
