@@ -9,10 +9,12 @@ step-level readings of ``log_every_n_steps``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .._checks import flag, optional_positive_int
 from .._units import Size, parse_optional_size
@@ -342,6 +344,69 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
     return weight
 
 
+@contextlib.contextmanager
+def probing(module: Any) -> Iterator[None]:
+    """``module`` in eval mode, without gradients, the random number generators forked: a
+    forward that changes nothing the run sees. Each submodule's mode is put back as it was
+    (a BatchNorm the program froze in eval mode stays so)."""
+    import torch
+
+    modes = [(m, m.training) for m in module.modules()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        module.eval()
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
+def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
+    """A count of the tokens of ``batch`` and of its slices, where it holds exactly one
+    integer tensor of two or more dimensions with -100 in it (labels padded as PyTorch's
+    ``cross_entropy`` ignores them, under whatever name): the entries that are not -100.
+    ``None`` where there is no such tensor, or several. Looked for in mappings, lists,
+    tuples and dataclasses, three levels deep.
+
+    >>> import torch
+    >>> count = padded_labels({"x": torch.ones(2, 3), "y": torch.tensor([[1, -100], [2, 3]])})
+    >>> int(count({"x": torch.ones(1, 3), "y": torch.tensor([[2, 3]])}))
+    2
+    """
+    found: list[tuple[Any, ...]] = []
+
+    def walk(value: Any, path: tuple[Any, ...]) -> None:
+        if len(path) > 3 or len(found) > 1:
+            return
+        if hasattr(value, "dtype") and hasattr(value, "ne") and hasattr(value, "dim"):
+            if value.dim() >= 2 and not value.is_floating_point() \
+                    and not value.is_complex() and bool((value == -100).any()):
+                found.append(path)
+            return
+        if hasattr(value, "keys") and hasattr(value, "__getitem__"):
+            for key in list(value.keys()):
+                walk(value[key], (*path, (False, key)))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, (*path, (False, index)))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(getattr(value, field.name), (*path, (True, field.name)))
+
+    walk(batch, ())
+    if len(found) != 1:
+        return None
+    path = found[0]
+
+    def count(piece: Any) -> Any:
+        for attribute, key in path:
+            piece = getattr(piece, key) if attribute else piece[key]
+        return piece.ne(-100).sum()
+
+    return count
+
+
 def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
                   length: int, most: int = 4) -> Optional[str]:
     """What a loss's own mean is over, read from its values: ``loss(i, j)`` on samples
@@ -386,6 +451,19 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
     return None
 
 
+def read_mean(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
+              length: int) -> Optional[str]:
+    """:func:`averaged_over` on four samples, else on two where four together run out of
+    memory (the batch that did may be small); ``None`` where two do as well."""
+    for most in (4, 2):
+        try:
+            return averaged_over(loss, tokens, length, most)
+        except Exception as error:
+            if not is_oom_error(error):
+                raise
+    return None
+
+
 def causal_lm(module: Any) -> bool:
     """Whether ``module`` is a Hugging Face model whose loss is a causal language model's,
     which shifts the labels (``False`` where transformers was never imported)."""
@@ -409,4 +487,5 @@ def samples_in(batch: Any) -> int:
 
 
 __all__ = ["CallbackBase", "Tracker", "averaged_over", "causal_lm", "check_options",
-           "metrics_of", "missing", "retry_running", "samples_in", "token_weight"]
+           "metrics_of", "missing", "padded_labels", "probing", "read_mean", "retry_running",
+           "samples_in", "token_weight"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -29,7 +30,18 @@ from ..cleanup import Cleanup
 from ..distributed import Sync
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch
-from ._core import TRAIN, VAL, CallbackBase, causal_lm, missing, token_weight
+from ._core import (
+    TRAIN,
+    VAL,
+    CallbackBase,
+    causal_lm,
+    missing,
+    padded_labels,
+    probing,
+    read_mean,
+    samples_in,
+    token_weight,
+)
 
 try:  # the standalone package first: it is what memguard-ml[lightning] installs
     import pytorch_lightning as _pl
@@ -115,11 +127,14 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
     dict's other entries are those of the last slice; ``None`` skips the whole batch), a
     mean over the batch's samples (``reduction="mean"``), a sum (``"sum"``) or a mean over
-    what ``weight`` counts (tokens). Without ``weight``, as for the Hugging Face Trainer, a
-    mapping batch with ``labels`` weighs each slice by its labels that are not -100 (over
-    ``labels[..., 1:]`` for a Hugging Face causal language model in the module; logged at
-    INFO at the first split), other batches by samples. The trained parameters are read at
-    every step (a layer unfrozen during the fit trains). Values the step logs with
+    what ``weight`` counts (tokens). Without ``weight``, where the batch holds labels padded
+    with -100 (``labels``, over ``labels[..., 1:]`` for a Hugging Face causal language model
+    in the module, or the one integer tensor with -100 in it), what the loss's own mean is
+    over is read at the first split from ``training_step`` on the first four samples alone
+    and together (eval mode, no gradients, its logs and metric updates undone): a mean over
+    tokens weighs each slice by its labels that are not -100, a mean over samples by its
+    samples (logged at INFO); other batches are weighted by samples. The trained parameters
+    are read at every step (a layer unfrozen during the fit trains). Values the step logs with
     ``self.log`` are held back: a pass that ran out of memory logs nothing (and the module's
     torchmetrics states are put back before it is redone); the pass that counts logs once
     per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
@@ -282,8 +297,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
             options["scaler"] = scaler
+        call: list[tuple[tuple, dict]] = [((), {})]  # the step's other arguments, for probes
         if options.get("reduction", "mean") == "mean" and options.get("weight") is None:
-            options["weight"] = _default_weight(pl_module)
+            options["weight"] = _default_weight(pl_module, original, logs, call)
         user_retry = options.get("on_retry")
 
         def on_retry(attempt: Attempt) -> None:
@@ -319,6 +335,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             entry = [p.grad for p in params]
             for p in params:
                 p.grad = None
+            call[0] = (args, kwargs)
             try:
                 metrics.save()
                 with logs.held():
@@ -476,19 +493,73 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _default_weight(module: Any) -> Any:
-    """What ``weight`` is when none is given, as for the Hugging Face ``Trainer``: a mapping
-    batch's ``labels`` that are not -100 (shifted when the module holds a Hugging Face
-    causal language model), else samples; the choice is logged at the first split."""
+def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
+                    call: list[tuple[tuple, dict]]) -> Callable[[Any], Any]:
+    """What ``weight`` is when none is given, chosen at the first split from the whole
+    batch: where it holds labels padded with -100 (``labels``, shifted when the module holds
+    a Hugging Face causal language model, or the one integer tensor with -100 in it), the
+    loss's own mean is read off ``training_step`` (``step``, run in eval mode without
+    gradients on the batch's first four samples alone and together, its ``self.log`` calls
+    and metric updates undone): by the labels that are not -100 for a mean over tokens, by
+    samples for a mean over samples. Logged."""
     shifts = any(causal_lm(m) for m in module.modules())
+    named = token_weight(shifts)
+    chosen: list[Callable[[Any], Any]] = []
+
+    def weight(piece: Any) -> Any:
+        if not chosen:
+            chosen.append(_weight_for(module, step, logs, call[0], piece, named, shifts))
+        return chosen[0](piece)
+
+    return weight
+
+
+def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
+                call: tuple[tuple, dict], batch: Any, named: Callable[[Any], Any],
+                shifts: bool) -> Callable[[Any], Any]:
+    """The weight :func:`_default_weight` chooses for ``batch``."""
+    from .._slices import plan_batch
+
     name = type(module).__name__
+    labelled = hasattr(batch, "keys") and ("shift_labels" in batch or (
+        "labels" in batch and hasattr(batch["labels"], "ne")))
+    tokens = named if labelled else padded_labels(batch)
+    if tokens is None:
+        return samples_in
+    counted = ("the integer tensor with -100 in it" if not labelled else "shift_labels"
+               if "shift_labels" in batch else "labels[..., 1:]" if shifts and
+               batch["labels"].dim() > 1 else "labels") + " that are not -100"
+    plan = plan_batch(batch)
+    args, kwargs = call
+    metrics = _MetricStates(module)
 
-    def told(what: str) -> None:
-        log.info("MemguardCallback: %s's split step weights each slice by its %s that are "
-                 "not -100 (a loss averaged over tokens); pass weight= or reduction= to "
-                 "change it", name, what)
+    def loss(i: int, j: int) -> float:
+        kept = len(logs.calls)
+        metrics.save()
+        try:
+            with probing(module):
+                output = step(plan.cut(batch, i, j), *args, **kwargs)
+        finally:
+            del logs.calls[kept:]
+            metrics.load()
+        if isinstance(output, dict):
+            output = output.get("loss")
+        return float(output) if isinstance(output, torch.Tensor) else math.nan
 
-    return token_weight(shifts, told)
+    unit = read_mean(loss, lambda i, j: float(tokens(plan.cut(batch, i, j))),
+                     int(plan.length or 0))
+    if unit is None:
+        log.warning("MemguardCallback: could not tell whether %s's loss is a mean over tokens "
+                    "or over samples; a split step weights each slice by its %s. Pass "
+                    "weight= or reduction= to say", name, counted if labelled else "samples")
+        return tokens if labelled else samples_in
+    if unit == "samples":
+        log.info("MemguardCallback: %s's loss is a mean over samples: a split step weights "
+                 "each slice by its samples", name)
+        return samples_in
+    log.info("MemguardCallback: %s's loss is a mean over tokens: a split step weights each "
+             "slice by its %s; pass weight= or reduction= to change it", name, counted)
+    return tokens
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:

@@ -29,9 +29,10 @@ from ._core import (
     TRAIN,
     VAL,
     CallbackBase,
-    averaged_over,
     causal_lm,
     missing,
+    probing,
+    read_mean,
     samples_in,
     token_weight,
 )
@@ -497,8 +498,6 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     number generators restored, and logged. Undecided (a loss of zero, a weighting of its
     own, an FSDP-sharded model whose forward would gather on one rank only, out of memory),
     the Trainer's assumption stands: ``"items"`` where it passes them, else tokens."""
-    import torch
-
     from .._slices import plan_batch
     from ..backends import torch_fsdp
 
@@ -510,22 +509,15 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     packed = _Packed.of(batch)  # a packed row: its sequences, not the whole row
     source = batch if packed is None else packed
     plan = plan_batch(source)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
 
     def piece(i: int, j: int) -> Any:
         return _Packed.rebuild(plan.cut(source, i, j))
 
     def loss(i: int, j: int, count: Any = items) -> float:
         inputs = trainer._prepare_inputs(piece(i, j))  # noqa: SLF001 - as training_step
-        was = unwrapped.training
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), \
-                trainer.compute_loss_context_manager():
-            unwrapped.eval()
-            try:
-                return float(trainer.compute_loss(unwrapped, dict(inputs),
-                                                  num_items_in_batch=count))
-            finally:
-                unwrapped.train(was)
+        with probing(unwrapped), trainer.compute_loss_context_manager():
+            return float(trainer.compute_loss(unwrapped, dict(inputs),
+                                              num_items_in_batch=count))
 
     try:
         if items is not None:
@@ -538,8 +530,8 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                         "as the Trainer assumes. Set loss_is_scaled_for_ga on the Trainer "
                         "(False: a mean of its own) to say", name)
                 return "items"
-        unit = averaged_over(loss, lambda i, j: float(by_tokens(piece(i, j))),
-                             int(plan.length or 0))
+        unit = read_mean(loss, lambda i, j: float(by_tokens(piece(i, j))),
+                         int(plan.length or 0))
     except Exception as error:  # out of memory in the probe: the assumption stands
         if not is_oom_error(error):
             raise
