@@ -462,11 +462,18 @@ def hf_model(features: frozenset[str], loss: str):
 HF_STEPS = 3
 
 
-def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None, **options):
+LENGTHS_24 = [5, 3, 1, 4, 2, 5, 0, 2, 4, 4, 3, 1, 5, 2, 1, 3, 2, 5, 4, 1, 3, 2, 2, 4]
+# batches of 8 whose first samples cannot tell a mean over tokens from one over samples: the
+# first batch has as many tokens in every sample, the second in its first four
+EQUAL_FIRST = [4] * 8 + [3, 3, 3, 3, 5, 1, 1, 1] + [2, 4, 1, 5, 3, 3, 2, 1]
+UNPADDED_FIRST = [5] * 8 + EQUAL_FIRST[8:]
+
+
+def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None,
+             lengths=LENGTHS_24, **options):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    data = samples([5, 3, 1, 4, 2, 5, 0, 2, 4, 4, 3, 1, 5, 2, 1, 3, 2, 5, 4, 1, 3, 2, 2, 4],
-                   5, 7)
+    data = samples(lengths, 5, 7)
     m = hf_model(features, loss)
     settings = dict(max_steps=HF_STEPS, per_device_train_batch_size=8, learning_rate=0.5,
                     optim="sgd", lr_scheduler_type="constant", report_to=[],
@@ -486,10 +493,12 @@ def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None, **
     return m, logged, injector.fired
 
 
-def hf_compare(tmp_path, features, loss, points, arguments=None, **options):
-    ref, ref_logged, _ = hf_train(tmp_path / "ref", features, loss, arguments=arguments)
+def hf_compare(tmp_path, features, loss, points, arguments=None, lengths=LENGTHS_24,
+               **options):
+    ref, ref_logged, _ = hf_train(tmp_path / "ref", features, loss, arguments=arguments,
+                                  lengths=lengths)
     got, logged, fired = hf_train(tmp_path / "got", features, loss, points, wrap=True,
-                                  arguments=arguments, **options)
+                                  arguments=arguments, lengths=lengths, **options)
     assert fired == list(points)
     error = weight_error(got, ref)
     assert error <= TOL, f"weights {error:.3g} off the plain Trainer"
@@ -523,6 +532,14 @@ def test_hugging_face_model_with_kwargs_and_its_own_mean(tmp_path):
     # from the loss's values, not assumed to be over tokens (0.189 off) or divided by them
     hf_compare(tmp_path, frozenset(), "own_mean", (Point(0, 0, "forward"),
                                                    Point(1, 0, "forward")))
+
+
+def test_hugging_face_reads_the_mean_past_samples_of_equal_counts(tmp_path):
+    # the first batch that splits has as many tokens in every sample: it cannot tell, and the
+    # next one is read, from its first neighbours of unequal counts (a mean over samples was
+    # weighted by tokens: 0.135 off)
+    hf_compare(tmp_path, frozenset(), "own_mean", FIRST_FORWARD, lengths=EQUAL_FIRST,
+               arguments={"train_sampling_strategy": "sequential"})
 
 
 def test_hugging_face_padding_free_packing(tmp_path):
@@ -601,7 +618,7 @@ class Triples(torch.utils.data.Dataset):
 
 
 def lightning_fit(package, features, structure, loss, points=(), callback=None,
-                  scale=1.0, grads=None, count=False, **options):
+                  scale=1.0, grads=None, count=False, lengths=LENGTHS_24, **options):
     """The fitted module, its logged epoch loss and the points that fired; ``grads``: a list
     given the gradients each optimizer step sees (unscaled, as Lightning hands them)."""
     pl = pytest.importorskip(package)
@@ -630,8 +647,7 @@ def lightning_fit(package, features, structure, loss, points=(), callback=None,
                 grads.append([None if p.grad is None else p.grad.detach().clone()
                               for p in self.net.parameters()])
 
-    data = samples([5, 3, 1, 4, 2, 5, 0, 2, 4, 4, 3, 1, 5, 2, 1, 3, 2, 5, 4, 1, 3, 2, 2, 4], 5,
-                   7)
+    data = samples(lengths, 5, 7)
     if structure == "list_unequal":
         data.lengths = [max(used, 1) for used in data.lengths]
     module = Module()
@@ -702,14 +718,20 @@ def test_lightning_out_of_memory_in_a_later_slice_and_the_epoch_mean():
     assert logged == pytest.approx(ref_logged, rel=TOL)
 
 
-@pytest.mark.parametrize("structure, loss", [("dict", "token_mean"), ("dict", "sample_mean"),
-                                             ("nested", "token_mean")])
-def test_lightning_reads_the_mean_without_weight(structure, loss):
+@pytest.mark.parametrize("structure, loss, lengths", [
+    ("dict", "token_mean", LENGTHS_24), ("dict", "sample_mean", LENGTHS_24),
+    ("nested", "token_mean", LENGTHS_24),
+    # the first batch that splits cannot tell (as many tokens in every sample, or no padding
+    # at all): read again at the next (a mean over samples weighted by tokens was 0.135 off)
+    ("dict", "sample_mean", EQUAL_FIRST), ("dict", "token_mean", UNPADDED_FIRST)],
+    ids=["dict-token_mean", "dict-sample_mean", "nested-token_mean",
+         "dict-sample_mean-equal_first", "dict-token_mean-unpadded_first"])
+def test_lightning_reads_the_mean_without_weight(structure, loss, lengths):
     # labels padded with -100 under a name of the program's own: the loss's own mean is read
     # off training_step, the probe's self.log calls and metric updates undone
     ref, ref_logged, got, logged = lightning_compare(
         "pytorch_lightning", frozenset(), structure, loss, FIRST_FORWARD, with_weight=False,
-        count=True)
+        count=True, lengths=lengths)
     assert weight_error(got, ref) <= TOL
     assert float(got.seen.compute()) == float(ref.seen.compute()) == 24
     if loss == "sample_mean":  # logged per slice with batch_size=: the probe's calls dropped

@@ -412,13 +412,16 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
     """What a loss's own mean is over, read from its values: ``loss(i, j)`` on samples
     ``i:j`` of a batch of ``length`` and ``tokens(i, j)`` the tokens counted there. A mean
     over tokens weights each sample by its tokens, one over samples weights them alike: the
-    loss of the first ``most`` samples together is predicted from their single losses both
-    ways, and the prediction it matches wins.
+    loss of ``most`` consecutive samples together is predicted from their single losses both
+    ways, and the prediction it matches wins. The samples read are the first ``most`` from
+    the first two neighbours whose token counts differ (samples of equal counts cannot tell
+    the two means apart).
 
     Returns:
-        ``"tokens"`` or ``"samples"``; ``"either"`` where the two predictions agree (no
-        padding and equal lengths: the same weighting); ``None`` where neither matches (a
-        weighting of its own) or fewer than two samples say nothing.
+        ``"tokens"`` or ``"samples"``; ``"either"`` where every sample of the batch counts
+        as many tokens, or the two predictions agree: this batch is weighted alike both ways,
+        a later one may not be; ``None`` where neither matches (a weighting of its own) or
+        fewer than two samples say nothing.
 
     >>> values, counts = [2.0, 4.0], [1, 3]
     >>> def token_mean(i, j):
@@ -429,8 +432,13 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
     n = min(length, most)
     if n < 2:
         return None
-    singles = [(loss(i, i + 1), tokens(i, i + 1)) for i in range(n)]
-    whole = loss(0, n)
+    counts = [tokens(i, i + 1) for i in range(length)]
+    differ = next((i for i in range(length - 1) if counts[i] != counts[i + 1]), None)
+    if differ is None:
+        return "either"  # equal counts: tokens and samples weight this batch alike
+    first = min(differ, length - n)
+    singles = [(loss(i, i + 1), counts[i]) for i in range(first, first + n)]
+    whole = loss(first, first + n)
     counted = [(value, count) for value, count in singles if count > 0]
     if not math.isfinite(whole) or not counted or any(count < 0 for _, count in singles) \
             or any(not math.isfinite(value) for value, _ in counted):

@@ -505,19 +505,31 @@ def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
     shifts = any(causal_lm(m) for m in module.modules())
     named = token_weight(shifts)
     chosen: list[Callable[[Any], Any]] = []
+    # a step's batch that could not tell (no padding, equal counts): its call and weight,
+    # read again at the next split
+    undecided: list[tuple[Any, Callable[[Any], Any]]] = []
 
     def weight(piece: Any) -> Any:
-        if not chosen:
-            chosen.append(_weight_for(module, step, logs, call[0], piece, named, shifts))
-        return chosen[0](piece)
+        if chosen:
+            return chosen[0](piece)
+        if undecided and undecided[0][0] is call[0]:
+            return undecided[0][1](piece)
+        counted, final = _weight_for(module, step, logs, call[0], piece, named, shifts)
+        if final:
+            chosen.append(counted)
+        else:
+            undecided[:] = [(call[0], counted)]
+        return counted(piece)
 
     return weight
 
 
 def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                 call: tuple[tuple, dict], batch: Any, named: Callable[[Any], Any],
-                shifts: bool) -> Callable[[Any], Any]:
-    """The weight :func:`_default_weight` chooses for ``batch``."""
+                shifts: bool) -> tuple[Callable[[Any], Any], bool]:
+    """The weight :func:`_default_weight` chooses for ``batch``, and whether it holds for
+    later batches (``False`` where this batch weights its slices alike either way: no labels
+    padded with -100, or every sample as many tokens)."""
     from .._slices import plan_batch
 
     name = type(module).__name__
@@ -525,7 +537,7 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
         "labels" in batch and hasattr(batch["labels"], "ne")))
     tokens = named if labelled else padded_labels(batch)
     if tokens is None:
-        return samples_in
+        return samples_in, False
     counted = ("the integer tensor with -100 in it" if not labelled else "shift_labels"
                if "shift_labels" in batch else "labels[..., 1:]" if shifts and
                batch["labels"].dim() > 1 else "labels") + " that are not -100"
@@ -552,14 +564,16 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
         log.warning("MemguardCallback: could not tell whether %s's loss is a mean over tokens "
                     "or over samples; a split step weights each slice by its %s. Pass "
                     "weight= or reduction= to say", name, counted if labelled else "samples")
-        return tokens if labelled else samples_in
+        return (tokens if labelled else samples_in), True
+    if unit == "either":
+        return tokens, False
     if unit == "samples":
         log.info("MemguardCallback: %s's loss is a mean over samples: a split step weights "
                  "each slice by its samples", name)
-        return samples_in
+        return samples_in, True
     log.info("MemguardCallback: %s's loss is a mean over tokens: a split step weights each "
              "slice by its %s; pass weight= or reduction= to change it", name, counted)
-    return tokens
+    return tokens, True
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:

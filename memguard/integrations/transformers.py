@@ -314,6 +314,9 @@ class MicrobatchedTrainingStep:
         self._units: "weakref.WeakKeyDictionary[Any, dict[bool, str]]" = \
             weakref.WeakKeyDictionary()
         self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
+        # the context and items of a step whose batch weights its slices alike by tokens and
+        # by samples: what the loss is a mean over is read again at the next split
+        self._undecided: Optional[tuple[Any, bool]] = None
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
@@ -475,10 +478,17 @@ class MicrobatchedTrainingStep:
             if context is not None:
                 model, count = context
                 found = self._units.setdefault(model, {})
-                if items not in found:
-                    found[items] = _loss_unit(trainer, model, _Packed.rebuild(piece),
-                                              count if items else None, by_tokens)
-                unit = found[items]
+                if items in found:
+                    unit = found[items]
+                elif self._undecided == (context, items):
+                    unit = "either"  # this step's batch could not tell: read again next step
+                else:
+                    unit = _loss_unit(trainer, model, _Packed.rebuild(piece),
+                                      count if items else None, by_tokens)
+                    if unit == "either":
+                        self._undecided = (context, items)
+                    else:
+                        found[items] = unit
             if unit == "items":
                 return 1
             if unit == "samples":
@@ -537,6 +547,8 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
             raise
         unit = None
     ignores = " ignores num_items_in_batch and" if items is not None else ""
+    if unit == "either":  # every sample as many tokens: this batch is weighted alike
+        return unit
     if unit in ("tokens", "samples"):
         log.info("auto_microbatch(trainer): %s's loss%s is a mean over %s: a split step "
                  "weights its slices by their %s", name, ignores, unit,
