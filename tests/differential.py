@@ -76,6 +76,8 @@ def pack(kind: str, s: Samples) -> Any:
                           s.w.view(n, 1, 1).expand(n, length, 1)], dim=-1)
     if kind == "dict":
         return {"x": s.x, "y": s.y, "w": s.w}
+    if kind == "two_labels":  # a second integer tensor padded with -100 beside the classes
+        return {"x": s.x, "y": s.y, "w": s.w, "aux": s.y.flip(0)}
     if kind == "nested":
         return ((s.x,), (s.y, s.w))
     if kind in ("list_equal", "list_unequal"):  # one tensor per sample: its real positions
@@ -101,7 +103,7 @@ def unpack(kind: str, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     if kind == "tensor":
         n, length, _ = batch.shape
         x, y, w = batch[..., :D], batch[..., D].long(), batch[:, 0, D + 1]
-    elif kind in ("dict", "encoding"):
+    elif kind in ("dict", "encoding", "two_labels"):
         x, y, w = batch["x"], batch["y"], batch["w"]
     elif kind == "nested":
         (x,), (y, w) = batch

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import threading
 from pathlib import Path
 
@@ -470,11 +471,14 @@ UNPADDED_FIRST = [5] * 8 + EQUAL_FIRST[8:]
 
 
 def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None,
-             lengths=LENGTHS_24, **options):
+             lengths=LENGTHS_24, hook=None, **options):
+    """``hook(model)``, where given, is called with the model before training."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     data = samples(lengths, 5, 7)
     m = hf_model(features, loss)
+    if hook is not None:
+        hook(m)
     settings = dict(max_steps=HF_STEPS, per_device_train_batch_size=8, learning_rate=0.5,
                     optim="sgd", lr_scheduler_type="constant", report_to=[],
                     save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True,
@@ -494,11 +498,11 @@ def hf_train(tmp_path, features, loss, points=(), wrap=False, arguments=None,
 
 
 def hf_compare(tmp_path, features, loss, points, arguments=None, lengths=LENGTHS_24,
-               **options):
+               hook=None, **options):
     ref, ref_logged, _ = hf_train(tmp_path / "ref", features, loss, arguments=arguments,
-                                  lengths=lengths)
+                                  lengths=lengths, hook=hook)
     got, logged, fired = hf_train(tmp_path / "got", features, loss, points, wrap=True,
-                                  arguments=arguments, lengths=lengths, **options)
+                                  arguments=arguments, lengths=lengths, hook=hook, **options)
     assert fired == list(points)
     error = weight_error(got, ref)
     assert error <= TOL, f"weights {error:.3g} off the plain Trainer"
@@ -540,6 +544,22 @@ def test_hugging_face_reads_the_mean_past_samples_of_equal_counts(tmp_path):
     # weighted by tokens: 0.135 off)
     hf_compare(tmp_path, frozenset(), "own_mean", FIRST_FORWARD, lengths=EQUAL_FIRST,
                arguments={"train_sampling_strategy": "sequential"})
+
+
+def test_hugging_face_probe_out_of_memory_keeps_the_trainers_sum(tmp_path, caplog):
+    # the gradient-free losses that read the loss run out of memory: the Trainer's own
+    # assumption (a loss divided by num_items_in_batch, summed over the slices) stands (was
+    # weighted by tokens: 0.072 off)
+    def no_room_without_gradients(m):
+        def refuse(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                raise torch.OutOfMemoryError("CUDA out of memory (gradient-free forward)")
+        m.register_forward_pre_hook(refuse, with_kwargs=True)
+
+    with caplog.at_level("WARNING", logger="memguard"):
+        hf_compare(tmp_path, frozenset(), "num_items", FIRST_FORWARD,
+                   hook=no_room_without_gradients)
+    assert "adds its slices' losses" in caplog.text
 
 
 def test_hugging_face_padding_free_packing(tmp_path):
@@ -618,9 +638,11 @@ class Triples(torch.utils.data.Dataset):
 
 
 def lightning_fit(package, features, structure, loss, points=(), callback=None,
-                  scale=1.0, grads=None, count=False, lengths=LENGTHS_24, **options):
+                  scale=1.0, grads=None, count=False, lengths=LENGTHS_24, hook=None,
+                  **options):
     """The fitted module, its logged epoch loss and the points that fired; ``grads``: a list
-    given the gradients each optimizer step sees (unscaled, as Lightning hands them)."""
+    given the gradients each optimizer step sees (unscaled, as Lightning hands them);
+    ``hook(module)``, where given, is called at the top of every ``training_step``."""
     pl = pytest.importorskip(package)
     torchmetrics = pytest.importorskip("torchmetrics") if count else None
 
@@ -632,6 +654,8 @@ def lightning_fit(package, features, structure, loss, points=(), callback=None,
             self.seen = torchmetrics.SumMetric() if count else None
 
         def training_step(self, batch, index):
+            if hook is not None:
+                hook(self)
             x, y, seg, w = unpack(structure, batch)
             if self.seen is not None:
                 self.seen.update(len(w))
@@ -736,6 +760,47 @@ def test_lightning_reads_the_mean_without_weight(structure, loss, lengths):
     assert float(got.seen.compute()) == float(ref.seen.compute()) == 24
     if loss == "sample_mean":  # logged per slice with batch_size=: the probe's calls dropped
         assert logged == pytest.approx(ref_logged, rel=TOL)
+
+
+def test_lightning_probe_leaves_the_run_alone_or_steps_aside():
+    # the probe's training_step draws from Python's random: the stream the run's own steps
+    # see is the one they see without a probe (weight= given); a step that cannot run in
+    # eval mode (a BatchNorm without running statistics on one sample) warns, not crashes
+    from memguard.integrations.lightning import MemguardCallback
+    draws: dict[str, list[float]] = {"probe": [], "told": []}
+
+    def draw(into):
+        def hook(module):
+            value = random.random()
+            if module.training:
+                draws[into].append(value)
+        return hook
+
+    for into, told in (("probe", {}), ("told", {"weight": lambda b: len(b["w"])})):
+        random.seed(0)
+        lightning_fit("pytorch_lightning", frozenset(), "dict", "sample_mean", FIRST_FORWARD,
+                      MemguardCallback(microbatch=True, **told), hook=draw(into))
+    assert len(draws["probe"]) == 1 + 3 * 2  # the failed pass, then 3 steps of 2 slices
+    assert draws["probe"] == draws["told"]
+
+    def eval_fails(module):
+        if not module.training:
+            raise ValueError("Expected more than 1 value per channel when training")
+
+    ref, _, got, _ = lightning_compare("pytorch_lightning", frozenset(), "dict", "sample_mean",
+                                       FIRST_FORWARD, with_weight=False, hook=eval_fails)
+    assert weight_error(got, ref) <= TOL  # undecided, weighted by samples: this loss's mean
+
+
+def test_lightning_says_when_several_tensors_could_be_the_labels(caplog):
+    # two integer tensors padded with -100: which one a mean over tokens counts is not read,
+    # and the slices weighted by samples are said to be so (a mean over tokens was 0.12 off,
+    # silently)
+    with caplog.at_level("WARNING", logger="memguard"):
+        ref, _, got, _ = lightning_compare("pytorch_lightning", frozenset(), "two_labels",
+                                           "sample_mean", FIRST_FORWARD, with_weight=False)
+    assert weight_error(got, ref) <= TOL
+    assert caplog.text.count("several integer tensors with -100") == 1
 
 
 def test_lightning_dataclass_batch():

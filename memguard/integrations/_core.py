@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import random
 import sys
 from typing import Any, Callable, Iterator, Optional
 
@@ -346,13 +347,17 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
 
 @contextlib.contextmanager
 def probing(module: Any) -> Iterator[None]:
-    """``module`` in eval mode, without gradients, the random number generators forked: a
-    forward that changes nothing the run sees. Each submodule's mode is put back as it was
+    """``module`` in eval mode, without gradients, the random number generators forked
+    (torch's, Python's ``random`` and numpy's global one): a forward that changes nothing the
+    run sees. Each submodule's mode is put back as it was
     (a BatchNorm the program froze in eval mode stays so)."""
     import torch
 
     modes = [(m, m.training) for m in module.modules()]
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    drawn = numpy.random.get_state() if numpy is not None else None
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         module.eval()
         try:
@@ -360,6 +365,9 @@ def probing(module: Any) -> Iterator[None]:
         finally:
             for m, training in modes:
                 m.training = training
+            random.setstate(python)
+            if numpy is not None:
+                numpy.random.set_state(drawn)
 
 
 def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
@@ -373,6 +381,27 @@ def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
     >>> count = padded_labels({"x": torch.ones(2, 3), "y": torch.tensor([[1, -100], [2, 3]])})
     >>> int(count({"x": torch.ones(1, 3), "y": torch.tensor([[2, 3]])}))
     2
+    """
+    found = padded_paths(batch)
+    if len(found) != 1:
+        return None
+    path = found[0]
+
+    def count(piece: Any) -> Any:
+        for attribute, key in path:
+            piece = getattr(piece, key) if attribute else piece[key]
+        return piece.ne(-100).sum()
+
+    return count
+
+
+def padded_paths(batch: Any) -> list[tuple[Any, ...]]:
+    """Where :func:`padded_labels` finds integer tensors of two or more dimensions with -100
+    in them: each a path of ``(is_attribute, key)`` steps; the first two found at most.
+
+    >>> import torch
+    >>> padded_paths({"x": torch.ones(2, 3), "y": torch.tensor([[1, -100], [2, 3]])})
+    [((False, 'y'),)]
     """
     found: list[tuple[Any, ...]] = []
 
@@ -395,16 +424,7 @@ def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
                 walk(getattr(value, field.name), (*path, (True, field.name)))
 
     walk(batch, ())
-    if len(found) != 1:
-        return None
-    path = found[0]
-
-    def count(piece: Any) -> Any:
-        for attribute, key in path:
-            piece = getattr(piece, key) if attribute else piece[key]
-        return piece.ne(-100).sum()
-
-    return count
+    return found
 
 
 def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
@@ -472,6 +492,16 @@ def read_mean(loss: Callable[[int, int], float], tokens: Callable[[int, int], fl
     return None
 
 
+def failure_text(error: BaseException) -> str:
+    """What a failed probe raised, in one short line: an out-of-memory as ``oom_retry``
+    writes it, any other error as its type and the first line of its message."""
+    if is_oom_error(error):
+        return error_text(error)
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else ""
+    return f"{type(error).__name__}: {line[:200]}" if line else type(error).__name__
+
+
 def causal_lm(module: Any) -> bool:
     """Whether ``module`` is a Hugging Face model whose loss is a causal language model's,
     which shifts the labels (``False`` where transformers was never imported)."""
@@ -495,5 +525,5 @@ def samples_in(batch: Any) -> int:
 
 
 __all__ = ["CallbackBase", "Tracker", "averaged_over", "causal_lm", "check_options",
-           "metrics_of", "missing", "padded_labels", "probing", "read_mean", "retry_running",
-           "samples_in", "token_weight"]
+           "failure_text", "metrics_of", "missing", "padded_labels", "padded_paths", "probing",
+           "read_mean", "retry_running", "samples_in", "token_weight"]

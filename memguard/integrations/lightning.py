@@ -35,8 +35,10 @@ from ._core import (
     VAL,
     CallbackBase,
     causal_lm,
+    failure_text,
     missing,
     padded_labels,
+    padded_paths,
     probing,
     read_mean,
     samples_in,
@@ -130,8 +132,10 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     what ``weight`` counts (tokens). Without ``weight``, where the batch holds labels padded
     with -100 (``labels``, over ``labels[..., 1:]`` for a Hugging Face causal language model
     in the module, or the one integer tensor with -100 in it), what the loss's own mean is
-    over is read at the first split from ``training_step`` on the first four samples alone
-    and together (eval mode, no gradients, its logs and metric updates undone): a mean over
+    over is read at the first split from ``training_step`` on four samples alone and together
+    (the first four from the first two neighbours whose label counts differ; a batch whose
+    samples all count as many waits for the next split; eval mode, no gradients, its logs,
+    metric updates and random draws undone): a mean over
     tokens weighs each slice by its labels that are not -100, a mean over samples by its
     samples (logged at INFO); other batches are weighted by samples. The trained parameters
     are read at every step (a layer unfrozen during the fit trains). Values the step logs with
@@ -499,9 +503,9 @@ def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
     batch: where it holds labels padded with -100 (``labels``, shifted when the module holds
     a Hugging Face causal language model, or the one integer tensor with -100 in it), the
     loss's own mean is read off ``training_step`` (``step``, run in eval mode without
-    gradients on the batch's first four samples alone and together, its ``self.log`` calls
-    and metric updates undone): by the labels that are not -100 for a mean over tokens, by
-    samples for a mean over samples. Logged."""
+    gradients on four samples alone and together, its ``self.log`` calls and metric updates
+    undone; see :func:`~memguard.integrations._core.averaged_over`): by the labels that
+    are not -100 for a mean over tokens, by samples for a mean over samples. Logged."""
     shifts = any(causal_lm(m) for m in module.modules())
     named = token_weight(shifts)
     chosen: list[Callable[[Any], Any]] = []
@@ -537,6 +541,13 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
         "labels" in batch and hasattr(batch["labels"], "ne")))
     tokens = named if labelled else padded_labels(batch)
     if tokens is None:
+        if not labelled and len(padded_paths(batch)) > 1:
+            # which one a loss over tokens counts is not known: said once, for the fit
+            log.warning("MemguardCallback: %s's batch holds several integer tensors with -100 "
+                        "in them; a split step weights each slice by its samples, which is "
+                        "exact only for a mean over samples. Pass weight= (the count the "
+                        "loss averages over) or reduction= to say", name)
+            return samples_in, True
         return samples_in, False
     counted = ("the integer tensor with -100 in it" if not labelled else "shift_labels"
                if "shift_labels" in batch else "labels[..., 1:]" if shifts and
@@ -558,8 +569,15 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
             output = output.get("loss")
         return float(output) if isinstance(output, torch.Tensor) else math.nan
 
-    unit = read_mean(loss, lambda i, j: float(tokens(plan.cut(batch, i, j))),
-                     int(plan.length or 0))
+    try:
+        unit = read_mean(loss, lambda i, j: float(tokens(plan.cut(batch, i, j))),
+                         int(plan.length or 0))
+    except Exception as error:  # noqa: BLE001 - the step itself runs next and raises its own
+        # training_step cannot run one sample in eval mode (a BatchNorm without running
+        # statistics, say): undecided, as below
+        log.warning("MemguardCallback: reading what %s's loss is a mean over failed (%s)",
+                    name, failure_text(error))
+        unit = None
     if unit is None:
         log.warning("MemguardCallback: could not tell whether %s's loss is a mean over tokens "
                     "or over samples; a split step weights each slice by its %s. Pass "

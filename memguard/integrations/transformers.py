@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from .._units import Size
 from ..cleanup import Cleanup
 from ..distributed import Sync
-from ..errors import is_oom_error
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
 from ._core import (
@@ -30,6 +29,7 @@ from ._core import (
     VAL,
     CallbackBase,
     causal_lm,
+    failure_text,
     missing,
     probing,
     read_mean,
@@ -506,7 +506,8 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     (:func:`~memguard.integrations._core.averaged_over` on the first samples of
     ``batch``). Computed on the unwrapped model in eval mode, without gradients, the random
     number generators restored, and logged. Undecided (a loss of zero, a weighting of its
-    own, an FSDP-sharded model whose forward would gather on one rank only, out of memory),
+    own, an FSDP-sharded model whose forward would gather on one rank only, a probe that
+    ran out of memory or raised),
     the Trainer's assumption stands: ``"items"`` where it passes them, else tokens."""
     from .._slices import plan_batch
     from ..backends import torch_fsdp
@@ -542,10 +543,15 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                 return "items"
         unit = read_mean(loss, lambda i, j: float(by_tokens(piece(i, j))),
                          int(plan.length or 0))
-    except Exception as error:  # out of memory in the probe: the assumption stands
-        if not is_oom_error(error):
-            raise
-        unit = None
+    except Exception as error:  # noqa: BLE001 - the step itself runs next and raises its own
+        # the probe failed (out of memory, a model that cannot run one sample in eval mode,
+        # a BatchNorm without running statistics): the Trainer's assumption stands
+        log.warning("auto_microbatch(trainer): reading what %s's loss is a mean over failed "
+                    "(%s); a split step %s. Pass weight= or reduction= to say", name,
+                    failure_text(error), "adds its slices' losses, as the Trainer assumes"
+                    if items is not None else "weights its slices by their labels that are "
+                    "not -100")
+        return assumed
     ignores = " ignores num_items_in_batch and" if items is not None else ""
     if unit == "either":  # every sample as many tokens: this batch is weighted alike
         return unit
@@ -743,8 +749,9 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     checked once per model at its first split, unless the Trainer sets
     ``loss_is_scaled_for_ga``: two gradient-free losses of one sample, with the count and
     twice it. Otherwise each slice's loss is weighted by ``weight``; by default by what the
-    loss's own mean is over, read at the same first split from the gradient-free losses of
-    the batch's first four samples alone and together: its labels that are not -100
+    loss's own mean is over, read at the same first split (or the next whose samples do not
+    all count as many labels) from the gradient-free losses of four samples alone and
+    together, from the first two whose counts differ: its labels that are not -100
     (shifted as the Trainer counts them) or its samples. With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
