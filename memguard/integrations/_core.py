@@ -452,12 +452,18 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
     n = min(length, most)
     if n < 2:
         return None
-    counts = [tokens(i, i + 1) for i in range(length)]
-    differ = next((i for i in range(length - 1) if counts[i] != counts[i + 1]), None)
+    counts: list[float] = []  # each sample's, counted as far as needed
+
+    def count(i: int) -> float:
+        while len(counts) <= i:
+            counts.append(tokens(len(counts), len(counts) + 1))
+        return counts[i]
+
+    differ = next((i for i in range(length - 1) if count(i) != count(i + 1)), None)
     if differ is None:
         return "either"  # equal counts: tokens and samples weight this batch alike
     first = min(differ, length - n)
-    singles = [(loss(i, i + 1), counts[i]) for i in range(first, first + n)]
+    singles = [(loss(i, i + 1), count(i)) for i in range(first, first + n)]
     whole = loss(first, first + n)
     counted = [(value, count) for value, count in singles if count > 0]
     if not math.isfinite(whole) or not counted or any(count < 0 for _, count in singles) \

@@ -480,7 +480,8 @@ class MicrobatchedTrainingStep:
                 found = self._units.setdefault(model, {})
                 if items in found:
                     unit = found[items]
-                elif self._undecided == (context, items):
+                elif self._undecided is not None and self._undecided[0] is context \
+                        and self._undecided[1] == items:
                     unit = "either"  # this step's batch could not tell: read again next step
                 else:
                     unit = _loss_unit(trainer, model, _Packed.rebuild(piece),
