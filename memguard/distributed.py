@@ -11,7 +11,7 @@ be rescued by any library: keep collectives out of the guarded code, or, for DDP
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from .backends import torch_distributed
 from .errors import MemguardError
@@ -52,8 +52,19 @@ class Agreement:
         """Each of ``values`` maximised over the ranks (as they are when not active)."""
         if not self.active:
             return values
+        return self._timed(torch_distributed.all_max, values)
+
+    def spread(self, values: list[float]) -> list[float]:
+        """Each of ``values``' largest minus smallest value over the ranks (0 when not
+        active)."""
+        if not self.active:
+            return [0.0] * len(values)
+        return self._timed(torch_distributed.all_spread, values)
+
+    def _timed(self, collective: Callable[[list[Any]], list[Any]], values: list[Any]
+               ) -> list[Any]:
         try:
-            return torch_distributed.all_max(values)
+            return collective(values)
         except torch_distributed.SyncTimeout as timeout:
             raise MemguardError(
                 f"rank {self.rank}: the other ranks did not reach memguard's agreement within "

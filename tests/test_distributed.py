@@ -187,3 +187,45 @@ def test_a_collective_of_the_programs_own_in_the_step_ends_with_an_error(monkeyp
     assert "collective of your own" in failed["outcome"], outputs
     assert 2 <= failed["waited"] < 10, outputs
     assert peer["outcome"] != "returned" and peer["waited"] < 60, outputs
+
+
+DRIFT = """
+import torch, torch.distributed as dist
+import memguard
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+@memguard.auto_microbatch(model)
+def step(batch):
+    return model(batch).pow(2).mean()
+
+outcome, steps = "trained", 0
+try:
+    for i in range(40):
+        optimizer.zero_grad()
+        step(torch.randn(4, 3))
+        if not (SKIP and rank == 1 and i == 5):  # an out-of-memory in the step, caught
+            optimizer.step()
+        steps += 1
+except memguard.MemguardError as exc:
+    outcome = str(exc)
+dist.destroy_process_group()
+finish({"rank": rank, "outcome": outcome, "steps": steps})
+"""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_weights_that_drift_apart_across_ranks_are_named(skip):
+    """An optimizer step skipped on one rank (its out-of-memory caught) leaves the DDP
+    replicas apart for good; memguard compares a sample of the weights every 32 calls."""
+    outputs = run_ranks(f"SKIP = {skip}\n" + DRIFT, world=2, timeout=90)
+    for out in outputs:
+        if skip:
+            assert out["steps"] == 31, outputs  # the 32nd call compared and raised
+            assert "weights differ between the ranks" in out["outcome"], outputs
+            assert "optimizer.step()" in out["outcome"]
+        else:
+            assert out == {"rank": out["rank"], "outcome": "trained", "steps": 40}, outputs

@@ -114,9 +114,28 @@ def all_max(values: list[int]) -> list[int]:
     the group is not reusable afterwards: the error is meant to end the job.
     """
     import torch
-    import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.int64)
+    _maximise(tensor)
+    return [int(v) for v in tensor.tolist()]
+
+
+def all_spread(values: list[float]) -> list[float]:
+    """Each of ``values``' largest minus smallest value over the ranks (float64, gloo); the
+    same wait as :func:`all_max`."""
+    import torch
+
+    tensor = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
+    _maximise(tensor)
+    n = len(values)
+    return [float(tensor[i] + tensor[n + i]) for i in range(n)]
+
+
+def _maximise(tensor: Any) -> None:
+    """All-reduce ``tensor`` with MAX on memguard's group, waiting at most
+    :func:`sync_timeout`."""
+    import torch.distributed as dist
+
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_side_group(), async_op=True)
     seconds = sync_timeout()
     try:
@@ -125,4 +144,3 @@ def all_max(values: list[int]) -> list[int]:
         if "timed out" not in str(error).lower():
             raise
         raise SyncTimeout(seconds) from error
-    return [int(v) for v in tensor.tolist()]
