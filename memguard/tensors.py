@@ -659,8 +659,9 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     'x'``), a result an ``lru_cache`` keeps through the cached function (``module app,
     global load (its lru_cache[3]; .cache_clear() frees it)``). The walk goes through dicts
     (values and keys: ``.keys()[0]``), lists, tuples, deques and sets. It is bounded in
-    depth and time, ignores memguard's own objects and never raises because of the program's objects: a key whose ``repr`` fails
-    reads ``[<Row object at 0x7f...>]``, a referrer that fails when looked at is passed over.
+    depth and time, ignores memguard's own objects and never raises because of the
+    program's objects: a key whose ``repr`` fails reads ``[<Row object at 0x7f...>]``, a
+    referrer that fails when looked at is passed over.
 
     Args:
         target: the object (a tensor, usually) whose holders to find.
