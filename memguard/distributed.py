@@ -75,21 +75,8 @@ class Agreement:
                 "sync=False to that call. The process group is not reusable after this error: "
                 "end the job.") from None
 
-    def agree(self, status: int, size: int) -> tuple[int, int]:
-        """Return the worst status over the ranks and the smallest size."""
-        if not self.active:
-            return status, size
-        worst, negative = self.all_max([status, -size])
-        return worst, -negative
-
-    def worst(self, status: int, flags: list[int]) -> tuple[int, list[int]]:
-        """The worst status over the ranks, and each of ``flags`` set on any rank (the
-        flags must have the same length on every rank)."""
-        if not self.active:
-            return status, flags
-        values = self.all_max([status, *flags])
-        return values[0], values[1:]
-
     def smallest(self, size: int) -> int:
-        """The smallest ``size`` over the ranks."""
-        return self.agree(OK, size)[1]
+        """The smallest ``size`` over the ranks (``size`` when not active)."""
+        if not self.active:
+            return size
+        return -self.all_max([-size])[0]

@@ -575,11 +575,15 @@ class _Step(Loop):
             else:
                 weight = (stop - start) / n
             loss = self._call(wrapped, piece, args, kwargs)
-            if weight == 0 and not cfg.sharded:
+            if weight == 0:
                 # nothing in this slice that the loss averages over (every label -100): it
                 # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
-                # may be (FSDP runs it anyway: every rank must join backward's collectives)
-                training.check_loss(loss, cfg.called)
+                # may be. FSDP runs that backward anyway (every rank must join its
+                # collectives), and both drop what it adds
+                if cfg.sharded:
+                    self._backward(loss, weight, None)
+                else:
+                    training.check_loss(loss, cfg.called)
                 continue
             total = self._backward(loss, weight, total)
         return total

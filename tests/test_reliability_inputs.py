@@ -195,7 +195,7 @@ def test_tensorflow_that_cannot_be_asked_counts_as_not_started(python_in_subproc
         import json, sys
         sys.modules["tensorflow"] = None  # TensorFlow that cannot be imported or asked
         from memguard.backends import tensorflow as tf_backend
-        print(json.dumps({"started": tf_backend.runtime_started(),
+        print(json.dumps({"started": tf_backend._runtime_started(),
                           "devices": tf_backend.TensorFlowBackend().devices()}))
     """)
     assert out == {"started": False, "devices": []}

@@ -518,8 +518,6 @@ def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
     value = loss.detach()
     if value.dim():  # a loss of shape [1]
         value = value.reshape(())
-    if weight == 0:  # a slice with nothing to average over adds nothing (its mean is NaN)
-        value = value.new_zeros(())
     return value if total is None else total + value
 
 
