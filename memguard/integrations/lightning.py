@@ -26,6 +26,7 @@ import types
 from typing import Any, Callable, Iterator, Optional
 
 from .._units import Size
+from ..backends import torch_fsdp
 from ..cleanup import Cleanup
 from ..distributed import Sync
 from ..loop import Attempt, Factor
@@ -526,6 +527,8 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
     tokens = named if labelled else padded_labels(batch)
     if tokens is None:
         return samples_in
+    if torch_fsdp.units(module):  # a sharded forward gathers: never on some ranks only
+        return tokens if labelled else samples_in
     counted = ("the integer tensor with -100 in it" if not labelled else "shift_labels"
                if "shift_labels" in batch else "labels[..., 1:]" if shifts and
                batch["labels"].dim() > 1 else "labels") + " that are not -100"
