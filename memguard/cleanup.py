@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import traceback
-from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, TypeVar
 
 from .backends import UNKNOWN, Backend, LevelField, Reading, active_backends, resolve_devices
 from .backends.tensorflow import clear_keras_session
@@ -38,6 +38,7 @@ Acting = Literal["auto", "always"]
 """A cleanup that acts: what a :class:`Settler` applies."""
 Readings = dict[str, Reading]
 Pairs = list[tuple[Backend, str]]
+R = TypeVar("R")  # a guard's readings
 
 
 on_full_collection: list[Callable[[], None]] = []
@@ -50,6 +51,24 @@ def collect_all() -> None:
     gc.collect()
     for hook in on_full_collection:
         hook()
+
+
+def collect_held(read: Callable[[], R], held: Callable[[R], bool],
+                 freed: Callable[[R, R], bool], backoff: Optional["Backoff"]) -> R:
+    """The ``"auto"`` cleanup's collection, for every guard that has one: the young
+    generations, then in full where ``held(readings)`` says memory is still held; the
+    readings afterwards. ``backoff`` (where given) learns whether it was useful: useless
+    only where memory stays held and nothing was ``freed(before, after)`` (a collection
+    that frees a leaked cycle each call is useful while other growth stays held)."""
+    start = read()
+    gc.collect(1)
+    now = read()
+    if held(now):
+        collect_all()
+        now = read()
+    if backoff is not None:
+        (backoff.useless if held(now) and not freed(start, now) else backoff.useful)()
+    return now
 
 
 def cleanup_mode(value: Any, who: str) -> Cleanup:
@@ -298,20 +317,16 @@ class Settler:
         return True
 
     def _collect(self, pairs: Pairs, held: list[str], entry: Readings, kind: str) -> Readings:
-        start = read_all(pairs, kind)
-        gc.collect(1)
-        now = read_all(pairs, kind)
-        still = [d for d in self._held(pairs, now, entry) if d in held]
-        if still:
-            collect_all()
-            now = read_all(pairs, kind)
-            still = [d for d in self._held(pairs, now, entry) if d in held]
-        if self.adaptive:
-            # Useless only if it freed nothing: a collection that frees a leaked cycle each
-            # call is useful even while other growth (caches, lazy inits) stays held.
-            freed = any(-_growth(now, start, "allocated", d) > b.hold_tolerance
-                        for b, d in pairs if d in held)
-            (self._gc.useless if still and not freed else self._gc.useful)()
-        log.debug("collected garbage; still held on %s", still or "no device")
+        def still(now: Readings) -> list[str]:
+            return [d for d in self._held(pairs, now, entry) if d in held]
+
+        def freed(start: Readings, now: Readings) -> bool:
+            return any(-_growth(now, start, "allocated", d) > b.hold_tolerance
+                       for b, d in pairs if d in held)
+
+        now = collect_held(lambda: read_all(pairs, kind), lambda now: bool(still(now)), freed,
+                           self._gc if self.adaptive else None)
+        still_held = still(now)
+        log.debug("collected garbage; still held on %s", still_held or "no device")
         return now
 

@@ -11,7 +11,7 @@ be rescued by any library: keep collectives out of the guarded code, or, for DDP
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from .backends import torch_distributed
 from .errors import MemguardError
@@ -52,8 +52,19 @@ class Agreement:
         """Each of ``values`` maximised over the ranks (as they are when not active)."""
         if not self.active:
             return values
+        return self._timed(torch_distributed.all_max, values)
+
+    def spread(self, values: list[float]) -> list[float]:
+        """Each of ``values``' largest minus smallest value over the ranks (0 when not
+        active)."""
+        if not self.active:
+            return [0.0] * len(values)
+        return self._timed(torch_distributed.all_spread, values)
+
+    def _timed(self, collective: Callable[[list[Any]], list[Any]], values: list[Any]
+               ) -> list[Any]:
         try:
-            return torch_distributed.all_max(values)
+            return collective(values)
         except torch_distributed.SyncTimeout as timeout:
             raise MemguardError(
                 f"rank {self.rank}: the other ranks did not reach memguard's agreement within "
@@ -64,21 +75,8 @@ class Agreement:
                 "sync=False to that call. The process group is not reusable after this error: "
                 "end the job.") from None
 
-    def agree(self, status: int, size: int) -> tuple[int, int]:
-        """Return the worst status over the ranks and the smallest size."""
-        if not self.active:
-            return status, size
-        worst, negative = self.all_max([status, -size])
-        return worst, -negative
-
-    def worst(self, status: int, flags: list[int]) -> tuple[int, list[int]]:
-        """The worst status over the ranks, and each of ``flags`` set on any rank (the
-        flags must have the same length on every rank)."""
-        if not self.active:
-            return status, flags
-        values = self.all_max([status, *flags])
-        return values[0], values[1:]
-
     def smallest(self, size: int) -> int:
-        """The smallest ``size`` over the ranks."""
-        return self.agree(OK, size)[1]
+        """The smallest ``size`` over the ranks (``size`` when not active)."""
+        if not self.active:
+            return size
+        return -self.all_max([-size])[0]

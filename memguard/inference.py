@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
@@ -20,7 +19,7 @@ from .cleanup import (
     Pairs,
     Settler,
     cleanup_mode,
-    collect_all,
+    collect_held,
     empty_caches,
     interrupts_after,
 )
@@ -161,14 +160,13 @@ class _Watch:
         def still(now: Levels) -> Pairs:
             return [(b, d) for b, d in held if _above(now[d], reference[d]) > b.hold_tolerance]
 
+        def freed(start: Levels, now: Levels) -> bool:
+            return any(_above(start[d], now[d]) > b.hold_tolerance for b, d in held)
+
         with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
-            gc.collect(1)
-            now = _levels(pairs, reference)
-            if still(now):
-                collect_all()
-                now = _levels(pairs, reference)
+            now = collect_held(lambda: _levels(pairs, reference), lambda now: bool(still(now)),
+                               freed, self.backoff)
             empty_caches(backend for backend, _ in held)
-        (self.backoff.useless if still(now) else self.backoff.useful)()
         log.debug("inference_mode collected garbage; memory was held on %s",
                   ", ".join(device for _, device in held))
         return now

@@ -68,8 +68,8 @@ from .backends import (
     torch_training as training,
 )
 from .cleanup import free_memory
-from .distributed import OK, Sync
-from .errors import OutOfMemoryError, oom_kind
+from .distributed import OK, Agreement, Sync
+from .errors import MemguardError, OutOfMemoryError, oom_kind
 from .loop import (
     NO_OPINION,
     Attempt,
@@ -197,6 +197,7 @@ class _State(GuardState):
         self.warned: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self.warned_other = False  # a tensor outside that is not a parameter (an input)
         self.plan: Optional[Plan] = None  # the last batch's
+        self.calls = 0  # under DDP: the calls made, for the weights' comparison
 
     @property
     def history(self) -> list[Attempt]:
@@ -574,11 +575,15 @@ class _Step(Loop):
             else:
                 weight = (stop - start) / n
             loss = self._call(wrapped, piece, args, kwargs)
-            if weight == 0 and not cfg.sharded:
+            if weight == 0:
                 # nothing in this slice that the loss averages over (every label -100): it
                 # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
-                # may be (FSDP runs it anyway: every rank must join backward's collectives)
-                training.check_loss(loss, cfg.called)
+                # may be. FSDP runs that backward anyway (every rank must join its
+                # collectives), and both drop what it adds
+                if cfg.sharded:
+                    self._backward(loss, weight, None)
+                else:
+                    training.check_loss(loss, cfg.called)
                 continue
             total = self._backward(loss, weight, total)
         return total
@@ -809,6 +814,36 @@ def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
             set(known).union(id(t) for t in found))
 
 
+REPLICA_EVERY = 32
+"""Calls between two comparisons of a DDP model's weights across the ranks."""
+
+
+def _check_replicas(cfg: _Config, state: _State) -> None:
+    """Every :data:`REPLICA_EVERY` calls under DDP with several ranks: compare a sample of
+    the model's weights across the ranks, and raise where they have drifted apart. DDP
+    averages gradients, never weights: an optimizer step that ran on some ranks only (an
+    out-of-memory in ``optimizer.step()`` caught and carried on) leaves the replicas
+    different for good, silently. A collective: every rank calls the step as often."""
+    state.calls += 1
+    if state.calls % REPLICA_EVERY:
+        return
+    agreement = Agreement(cfg.policy.sync)
+    if not agreement.active:
+        return
+    names, values = training.replica_values(cfg.ddp)
+    spread = agreement.spread(values)
+    for name, value, apart in zip(names, values, spread, strict=True):
+        if apart > 1e-6 * max(abs(value), 1e-3):
+            raise MemguardError(
+                f"{cfg.name}: the DDP model's weights differ between the ranks (parameter "
+                f"{name!r} by {apart:.3g}, at call {state.calls}): an optimizer step, or "
+                f"another change of the weights, ran on some ranks only - an out-of-memory "
+                f"in optimizer.step() caught and carried on, say. DDP averages gradients, "
+                f"not weights, so the replicas stay apart. memguard guards forward and "
+                f"backward only: let an error outside them end the job, and restart from a "
+                f"checkpoint")
+
+
 def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and no smaller size remembered."""
@@ -979,6 +1014,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             if not plan.length:
                 raise ValueError(f"{cfg.name}() got an empty batch (0 samples)")
             with lock:  # one step at a time on a model: threads' gradients add up exactly
+                if cfg.ddp is not None:
+                    _check_replicas(cfg, state)
                 if _whole_fits(cfg, state, plan):
                     return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
                 return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)

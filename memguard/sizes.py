@@ -54,7 +54,8 @@ class MemoryFit:
     >>> fit = MemoryFit()
     >>> for size in (1, 16, 200):
     ...     fit.add(size, 10 * 2**20 + size * 2**20)
-    >>> round(fit.per_sample() / 2**20, 3), fit.largest(500 * 2**20, margin=0.0)
+    >>> fixed, per_sample = fit.line()
+    >>> round(per_sample / 2**20, 3), fit.largest(500 * 2**20, margin=0.0)
     (1.0, 490)
     """
 
@@ -78,11 +79,6 @@ class MemoryFit:
         if slope <= 0:
             return None
         return mean_m - slope * mean_s, slope
-
-    def per_sample(self) -> Optional[float]:
-        """Bytes per sample, or ``None`` when not known yet."""
-        line = self.line()
-        return None if line is None else line[1]
 
     def cautious(self, noise: int) -> Optional[tuple[float, float]]:
         """``(fixed, per_sample)`` with ``per_sample`` the most the points allow when each

@@ -9,6 +9,7 @@ are computed only on request.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import itertools
 import logging
@@ -468,6 +469,10 @@ _CONTAINERS = (dict, *_SEQUENCES, *_SETS)
 _SUSPENDED = {types.GeneratorType: ("generator", "gi_frame", "gi_yieldfrom", "yield from"),
               types.CoroutineType: ("coroutine", "cr_frame", "cr_await", "await"),
               types.AsyncGeneratorType: ("async generator", "ag_frame", "ag_await", "await")}
+# functions whose frames outlive a return by design: generators and coroutines
+_SUSPENDABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR
+_TRACEBACK: Any = BaseException.__dict__["__traceback__"]
+_LRU_WRAPPER: Any = type(functools.lru_cache(maxsize=None)(len))
 _CLASS_DICT: Any = type.__dict__["__dict__"]  # a class's namespace, whatever its metaclass says
 _QUALNAME: Any = type.__dict__["__qualname__"]
 _MODULE: Any = type.__dict__["__module__"]
@@ -649,10 +654,14 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     local 'x'``, ``generator epoch() yield from batches() local 'x'``), class instances
     that nothing above roots (``Trainer object .history[-1]``, ``__slots__`` included: a
     walk goes on past an instance to the global or frame holding it), classes (``class Config
-    .TABLE``) and closures; the walk goes through dicts (values and keys: ``.keys()[0]``),
-    lists, tuples, deques and sets. It is bounded in depth and time, ignores memguard's own
-    objects and never raises because of the program's objects: a key whose ``repr`` fails
-    reads ``[<Row object at 0x7f...>]``, a referrer that fails when looked at is passed over.
+    .TABLE``) and closures. A returned frame kept by a saved traceback is named through the
+    error that keeps it (``module app, global last_error.__traceback__, frame step() local
+    'x'``), a result an ``lru_cache`` keeps through the cached function (``module app,
+    global load (its lru_cache[3]; .cache_clear() frees it)``). The walk goes through dicts
+    (values and keys: ``.keys()[0]``), lists, tuples, deques and sets. It is bounded in
+    depth and time, ignores memguard's own objects and never raises because of the
+    program's objects: a key whose ``repr`` fails reads ``[<Row object at 0x7f...>]``, a
+    referrer that fails when looked at is passed over.
 
     Args:
         target: the object (a tensor, usually) whose holders to find.
@@ -774,8 +783,8 @@ def _walk(targets: list[Any], max_depth: int, max_paths: int, seconds: float
     for found, fallback in zip(paths, instances, strict=True):
         # an instance whose attribute path no rooted path ends with was rooted nowhere the
         # walk reached: its own form is the best name there is
-        found.extend(path for path in dict.fromkeys(fallback)
-                     if not any(other.endswith(path.attribute) for other in found))
+        found.extend(path for path in dict.fromkeys(fallback) if path
+                     and not any(other.endswith(path.attribute) for other in found))
     best = [[str(path) for path in sorted(found, key=len)[:max_paths]] for found in paths]
     return best, in_time and not walk.late
 
@@ -876,12 +885,27 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
     program's proxy may answer ``__class__`` with anything, or raise."""
     kind = type(ref)
     if kind is types.FrameType:
+        # the collector reports no running frame (those are read from the stacks): this one
+        # has returned and is kept, by a traceback most often, which the walk goes on to
         if _is_own_frame(ref):
             return ""
         for name, value in ref.f_locals.items():
             if value is obj:
-                return f"frame {ref.f_code.co_name}() local '{name}'{suffix}"
+                text = f"frame {ref.f_code.co_name}() local '{name}'{suffix}"
+                if ref.f_code.co_flags & _SUSPENDABLE:
+                    return text
+                return _Instance(f"{text} (returned; its frame kept)", f", {text}")
         return ""
+    if kind is types.TracebackType:
+        if ref.tb_frame is obj or ref.tb_next is obj:
+            return _Instance("", suffix)
+        return ""
+    if issubclass(kind, BaseException) and _TRACEBACK.__get__(ref) is obj:
+        return _Instance(f"{_type_name(kind)} object .__traceback__{suffix}",
+                         f".__traceback__{suffix}")
+    if kind is _LRU_WRAPPER and obj is not _instance_dict(ref):
+        return _Instance(f"{ref.__qualname__}() lru_cache{suffix}",
+                         f" (its lru_cache{suffix}; .cache_clear() frees it)")
     if kind is dict and id(ref) in walk.modules:
         for name, value in dict.items(ref):
             if value is obj:

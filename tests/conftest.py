@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,12 +28,43 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+FRAMEWORKS = re.compile(r"\b(tensorflow|keras|transformers|lightning|accelerate)\b")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def _names_a_framework(path: str) -> bool:
+    """Whether the test module at ``path`` names a framework: it may import it in the test
+    process."""
+    with open(path, encoding="utf-8") as f:
+        return FRAMEWORKS.search(f.read()) is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any(item.get_closest_marker("gpu") for item in items) and not _has_gpu():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+    # Once a test imports TensorFlow, transformers or Lightning, the rest of its process pays
+    # for their objects at every full collection (memguard collects at every retry): 4 files
+    # of guard tests took 37 s alone and 89 s after those imports. So the tests that may
+    # import one run last, in each xdist worker too (workers take tests in this order).
+    items.sort(key=_framework_rank)
+
+
+def _framework_rank(item: pytest.Item) -> int:
+    """0: a test whose module names no framework; 1: one whose module does; 2: one whose own
+    code does."""
+    path = str(item.path)
+    if not path.startswith(TESTS) or not _names_a_framework(path):
+        return 0
+    function = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    return 2 if FRAMEWORKS.search(source) else 1
 
 
 def run_python(code: str, timeout: float = 120, env: dict[str, str] | None = None) -> dict:

@@ -143,3 +143,89 @@ def test_a_guarded_call_on_one_rank_only_raises_after_the_timeout(monkeypatch):
     assert "sync=False" in first["outcome"] and "collective of your own" in first["outcome"]
     assert 2 <= first["waited"] < 7, outputs  # the timeout, not the peer's return, ended it
     assert outputs[1]["outcome"] == "not called"
+
+
+OWN_COLLECTIVE = """
+import datetime, time
+import torch, torch.distributed as dist
+import memguard
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# the program's own group ends a collective whose peer is gone after 15 s, not 30 minutes
+dist.init_process_group("gloo", rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=15))
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+
+@memguard.auto_microbatch(model)
+def step(batch):
+    if rank == 1 and len(batch) > 4:  # rank 1 alone runs out of memory, before the count
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    count = torch.tensor([float(len(batch))])
+    dist.all_reduce(count)  # a collective of the program's own (a token count, a metric)
+    return model(batch).pow(2).sum() / count
+
+dist.barrier()
+start = time.monotonic()
+try:
+    step(torch.ones(8, 3))
+    outcome = "returned"
+except Exception as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+finish({"rank": rank, "outcome": outcome, "waited": time.monotonic() - start})
+"""
+
+
+def test_a_collective_of_the_programs_own_in_the_step_ends_with_an_error(monkeypatch):
+    """An all_reduce inside an auto_microbatch step, one rank out of memory before it: that
+    rank waits in memguard's agreement while its peer waits in the program's all_reduce.
+    Once used to hang; now the rank that ran out raises a MemguardError naming the cause
+    after MEMGUARD_SYNC_TIMEOUT, and its peer's collective ends with an error too."""
+    monkeypatch.setenv("MEMGUARD_SYNC_TIMEOUT", "2")
+    outputs = run_ranks(OWN_COLLECTIVE, world=2, timeout=90)
+    failed, peer = outputs[1], outputs[0]
+    assert failed["outcome"].startswith("MemguardError: rank 1"), outputs
+    assert "collective of your own" in failed["outcome"], outputs
+    assert 2 <= failed["waited"] < 10, outputs
+    assert peer["outcome"] != "returned" and peer["waited"] < 60, outputs
+
+
+DRIFT = """
+import torch, torch.distributed as dist
+import memguard
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+@memguard.auto_microbatch(model)
+def step(batch):
+    return model(batch).pow(2).mean()
+
+outcome, steps = "trained", 0
+try:
+    for i in range(40):
+        optimizer.zero_grad()
+        step(torch.randn(4, 3))
+        if not (SKIP and rank == 1 and i == 5):  # an out-of-memory in the step, caught
+            optimizer.step()
+        steps += 1
+except memguard.MemguardError as exc:
+    outcome = str(exc)
+dist.destroy_process_group()
+finish({"rank": rank, "outcome": outcome, "steps": steps})
+"""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_weights_that_drift_apart_across_ranks_are_named(skip):
+    """An optimizer step skipped on one rank (its out-of-memory caught) leaves the DDP
+    replicas apart for good; memguard compares a sample of the weights every 32 calls."""
+    outputs = run_ranks(f"SKIP = {skip}\n" + DRIFT, world=2, timeout=90)
+    for out in outputs:
+        if skip:
+            assert out["steps"] == 31, outputs  # the 32nd call compared and raised
+            assert "weights differ between the ranks" in out["outcome"], outputs
+            assert "optimizer.step()" in out["outcome"]
+        else:
+            assert out == {"rank": out["rank"], "outcome": "trained", "steps": 40}, outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import logging
 import re
@@ -17,6 +18,7 @@ from memguard.tensors import find_holders
 
 MiB = 1 << 20
 REGISTRY: dict = {}
+SAVED = None  # an error kept, as a program keeps the last one
 QUEUE: collections.deque = collections.deque()
 BY_KEY: dict = {}
 GENERATORS: list = []
@@ -266,7 +268,6 @@ class Holder:
         self.t = tensor
 
 
-REGISTRY: dict = {}
 MODEL = torch.nn.Sequential(torch.nn.Linear(3, 2))
 
 
@@ -296,3 +297,42 @@ def test_an_instance_rooted_nowhere_keeps_its_own_form():
     finally:
         gc.enable()
     assert "Holder object .t" in found, found
+
+
+def _fails():
+    outputs = torch.ones(13, 14)  # noqa: F841 - kept by the frame the traceback keeps
+    raise ValueError("a step that failed")
+
+
+@functools.lru_cache(maxsize=4)
+def cached(n):
+    return torch.ones(n, 15)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_forever(n):
+    return torch.ones(n, 16)
+
+
+def test_a_frame_kept_by_a_saved_traceback_is_named_by_the_error_that_keeps_it():
+    # before: "frame _fails() local 'outputs'", as if _fails were still running
+    global SAVED
+    try:
+        _fails()
+    except ValueError as error:
+        SAVED = error
+    try:
+        found = holders(SAVED.__traceback__.tb_next.tb_frame.f_locals["outputs"])
+    finally:
+        SAVED = None
+    assert f"module {__name__}, global SAVED.__traceback__, frame _fails() local 'outputs'" \
+        in found, found
+
+
+@pytest.mark.parametrize("cache, key", [(cached, ""), (cached_forever, "[2]")])
+def test_a_result_kept_by_lru_cache_is_named_by_the_cached_function(cache, key):
+    # before: nothing (the cache is no container the walk knew)
+    found = holders(cache(2))
+    cache.cache_clear()
+    said = f"(its lru_cache{key}; .cache_clear() frees it)"
+    assert f"module {__name__}, global {cache.__name__} {said}" in found, found

@@ -195,7 +195,7 @@ def test_tensorflow_that_cannot_be_asked_counts_as_not_started(python_in_subproc
         import json, sys
         sys.modules["tensorflow"] = None  # TensorFlow that cannot be imported or asked
         from memguard.backends import tensorflow as tf_backend
-        print(json.dumps({"started": tf_backend.runtime_started(),
+        print(json.dumps({"started": tf_backend._runtime_started(),
                           "devices": tf_backend.TensorFlowBackend().devices()}))
     """)
     assert out == {"started": False, "devices": []}
@@ -210,9 +210,9 @@ def test_looking_at_tensorflow_does_not_start_it(python_in_subprocess):
         import memguard
         from memguard.backends import tensorflow as tf_backend
         memguard.snapshot(); tf_backend.TensorFlowBackend().devices()
-        before = (tf_backend.runtime_started(), bool(context.context()._initialized))
+        before = (tf_backend._runtime_started(), bool(context.context()._initialized))
         tf.constant(1.0)
-        print(json.dumps({"before": before, "after": tf_backend.runtime_started()}))
+        print(json.dumps({"before": before, "after": tf_backend._runtime_started()}))
     """)
     assert out == {"before": [False, False], "after": True}
 

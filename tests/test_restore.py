@@ -136,10 +136,14 @@ in_file = memguard.oom_retry(batch_size=64, factor=0.25, restore=filed,
 in_file()
 training(fresh)(16)
 memguard.oom_retry(batch_size=64, factor=0.25)(training(plain))()  # control: no restore
+from memguard.backends import torch_state
+kept = torch_state.copy_states(torch_state.check_restorable(filed, "file"))
+kept_in = kept.path  # what an error restoring it names
+kept.discard()
 same = lambda a, b: all(np.array_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights()))
 print(json.dumps({"size": size, "tried": [a.size for a in retried.history],
                   "equal": same(model, fresh), "control_equal": same(plain, fresh),
-                  "file_equal": same(filed, fresh),
+                  "file_equal": same(filed, fresh), "kept_in": kept_in,
                   "iterations": [int(m.optimizer.iterations.numpy()) for m in (model, fresh)]}))
 """
 
@@ -150,6 +154,7 @@ def test_restore_takes_a_keras_model_and_its_optimizer(python_in_subprocess):
     assert out["size"] == 16 and out["tried"] == [64, 16], out
     assert out["equal"] and out["file_equal"] and not out["control_equal"], out
     assert out["iterations"] == [8, 8], out
+    assert out["kept_in"] and out["kept_in"].endswith(".npy"), out  # not "host memory"
 
 
 @pytest.mark.gpu

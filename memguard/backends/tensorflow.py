@@ -265,16 +265,6 @@ def set_memory_growth(enable: bool) -> int:
     return len(gpus)
 
 
-def runtime_started() -> bool:
-    """Whether TensorFlow has initialised its runtime (and so its devices); False where
-    TensorFlow cannot tell (memguard then lists no TensorFlow GPUs rather than start it).
-
-    >>> isinstance(runtime_started(), bool)
-    True
-    """
-    return _runtime_started()
-
-
 def device_overview() -> list[dict[str, Any]]:
     """TensorFlow's GPUs as it sees them (without starting its runtime)."""
     tf = _tf()

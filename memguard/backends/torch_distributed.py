@@ -2,7 +2,7 @@
 
 It runs on a gloo group of memguard's own, created once (collectively, by every rank's first
 call), so it never mixes with the training's NCCL collectives and never allocates on a GPU
-that has just run out of memory. Where the default group already is gloo, that group serves.
+that has just run out of memory, and never meets a collective of the program's own.
 """
 
 from __future__ import annotations
@@ -58,16 +58,26 @@ def _distributed() -> Any:
 
 
 def _side_group() -> Any:
-    """memguard's gloo group, or ``None`` (the default group) where that already is gloo."""
+    """memguard's gloo group, made once per default group, also where the default group is
+    gloo: a program's own collective in the guarded step must never meet memguard's
+    agreement on one group (gloo aborts the process on the mismatch). Its creation connects
+    every rank, so it waits at most :func:`sync_timeout` for peers that never come."""
     import torch.distributed as dist
 
-    if dist.get_backend() == "gloo":
-        return None
-    default = dist.group.WORLD  # pragma: gpu
-    with _lock:  # pragma: gpu
+    default = dist.group.WORLD
+    with _lock:
         group = _groups.get(default)
         if group is None:
-            group = _groups[default] = dist.new_group(backend="gloo")
+            seconds = sync_timeout()
+            try:
+                group = dist.new_group(backend="gloo",
+                                       timeout=datetime.timedelta(seconds=seconds))
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower() and "timeout" not in \
+                        str(error).lower():
+                    raise
+                raise SyncTimeout(seconds) from error
+            _groups[default] = group
         return group
 
 
@@ -104,9 +114,28 @@ def all_max(values: list[int]) -> list[int]:
     the group is not reusable afterwards: the error is meant to end the job.
     """
     import torch
-    import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.int64)
+    _maximise(tensor)
+    return [int(v) for v in tensor.tolist()]
+
+
+def all_spread(values: list[float]) -> list[float]:
+    """Each of ``values``' largest minus smallest value over the ranks (float64, gloo); the
+    same wait as :func:`all_max`."""
+    import torch
+
+    tensor = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
+    _maximise(tensor)
+    n = len(values)
+    return [float(tensor[i] + tensor[n + i]) for i in range(n)]
+
+
+def _maximise(tensor: Any) -> None:
+    """All-reduce ``tensor`` with MAX on memguard's group, waiting at most
+    :func:`sync_timeout`."""
+    import torch.distributed as dist
+
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_side_group(), async_op=True)
     seconds = sync_timeout()
     try:
@@ -115,4 +144,3 @@ def all_max(values: list[int]) -> list[int]:
         if "timed out" not in str(error).lower():
             raise
         raise SyncTimeout(seconds) from error
-    return [int(v) for v in tensor.tolist()]

@@ -205,8 +205,12 @@ class SavedState:
 
     @property
     def path(self) -> Optional[str]:
-        """The file the state is kept in (``None``: host memory)."""
-        return None if self._file is None else self._file.path
+        """The file the state is kept in (``None``: host memory): the torch objects' file,
+        else the first Keras copy's."""
+        if self._file is not None:
+            return self._file.path
+        return next((other.path for other in self._others
+                     if getattr(other, "path", None)), None)
 
     def load(self) -> None:
         """Load every copied state back into its object (a fresh copy for objects that may
@@ -222,13 +226,14 @@ class SavedState:
                 raise
             names = ", ".join(type(o).__name__ for o in self.objects)
             where = f"the file {self.path}" if self.path else "host memory"
+            way = ("restore less (the model alone)" if self.path else "pass "
+                   "restore_to='file' (a module's tensors are then read straight into place)")
             raise OutOfMemoryError(
                 f"oom_retry: restoring the state of {names} (saved before the first attempt, "
                 f"{format_bytes(self.nbytes)} of tensors kept in {where}) ran out of memory: "
                 f"loading it back needs up to that much again while the objects hold their "
                 f"own; they are left partly restored. Free memory held outside the call, or "
-                f"pass restore_to='file' (a module's tensors are then read straight into "
-                f"place)") from exc
+                f"{way}") from exc
 
     def _load(self) -> None:
         states = self._states or []

@@ -518,9 +518,27 @@ def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
     value = loss.detach()
     if value.dim():  # a loss of shape [1]
         value = value.reshape(())
-    if weight == 0:  # a slice with nothing to average over adds nothing (its mean is NaN)
-        value = value.new_zeros(())
     return value if total is None else total + value
+
+
+REPLICA_SAMPLES = 64  # parameters sampled, two values each (first and last element)
+
+
+def replica_values(ddp: Any) -> tuple[list[str], list[float]]:
+    """A sample of a DDP model's weights, identical on every rank while the ranks stay
+    together: the first and last value of up to :data:`REPLICA_SAMPLES` parameters spread
+    over the model, with their names (one device-to-host copy)."""
+    import torch
+
+    named = [(name, p) for name, p in ddp.module.named_parameters() if p.numel()]
+    if not named:
+        return [], []
+    chosen = named[::max(1, len(named) // REPLICA_SAMPLES)][:REPLICA_SAMPLES]
+    with torch.no_grad():
+        ends = [t for _, p in chosen for t in (p.detach().reshape(-1)[0],
+                                               p.detach().reshape(-1)[-1])]
+        values = torch.stack([t.to(ends[0].device) for t in ends]).double().cpu().tolist()
+    return [name for name, _ in chosen for _ in (0, 1)], values
 
 
 def reset_scaler(scaler: Any) -> None:

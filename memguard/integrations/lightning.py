@@ -26,6 +26,7 @@ import types
 from typing import Any, Callable, Iterator, Optional
 
 from .._units import Size
+from ..backends import torch_fsdp
 from ..cleanup import Cleanup
 from ..distributed import Sync
 from ..loop import Attempt, Factor
@@ -549,6 +550,8 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                         "loss averages over) or reduction= to say", name)
             return samples_in, True
         return samples_in, False
+    if torch_fsdp.units(module):  # a sharded forward gathers: never on some ranks only
+        return (tokens if labelled else samples_in), True
     counted = ("the integer tensor with -100 in it" if not labelled else "shift_labels"
                if "shift_labels" in batch else "labels[..., 1:]" if shifts and
                batch["labels"].dim() > 1 else "labels") + " that are not -100"
