@@ -269,9 +269,6 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
       plus ``limit``, restored on exit. It counts address space, not resident memory, for
       the whole process (every thread), and works where the kernel enforces it (Linux).
-      Memory freed before the block but still mapped (glibc keeps freed heap) would be
-      reused without new address space: the heap is trimmed on entry and what the entering
-      thread's malloc still holds free is kept out of reach until the block closes.
     - Limits compose: while several blocks are open, nested or in different threads or
       asyncio tasks, the tightest is in force (an inner ``memory_limit`` larger than the
       outer one leaves the outer one in force); when one closes, the tightest of those
