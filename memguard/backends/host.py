@@ -324,7 +324,6 @@ def restore_address_space(token: int) -> None:
 
 BALLAST_LARGEST = 1 << 20
 BALLAST_SMALLEST = 1 << 12
-BALLAST_SECONDS = 0.25
 
 
 def _take_free(wanted: int) -> list[int]:
@@ -336,9 +335,7 @@ def _take_free(wanted: int) -> list[int]:
     malloc, free = _glibc["malloc"], _glibc["free"]
     taken: list[int] = []
     size, got, space = BALLAST_LARGEST, 0, _vm_size()
-    # a heap freed in small pieces is taken for a bounded time: what is left stays reusable
-    deadline = time.perf_counter() + BALLAST_SECONDS
-    while got < wanted and size >= BALLAST_SMALLEST and time.perf_counter() < deadline:
+    while got < wanted and size >= BALLAST_SMALLEST:
         pointer = malloc(size)
         if not pointer:
             size //= 2
