@@ -54,20 +54,27 @@ def collect_all() -> None:
 
 
 def collect_held(read: Callable[[], R], held: Callable[[R], bool],
-                 freed: Callable[[R, R], bool], backoff: Optional["Backoff"]) -> R:
+                 freed: Callable[[R, R], bool], backoff: Optional["Backoff"],
+                 gauge: Optional[Callable[[], R]] = None) -> R:
     """The ``"auto"`` cleanup's collection, for every guard that has one: the young
     generations, then in full where ``held(readings)`` says memory is still held; the
     readings afterwards. ``backoff`` (where given) learns whether it was useful: useless
     only where memory stays held and nothing was ``freed(before, after)`` (a collection
-    that frees a leaked cycle each call is useful while other growth stays held)."""
-    start = read()
+    that frees a leaked cycle each call is useful while other growth stays held).
+
+    ``gauge`` takes the readings that ``freed`` compares where ``read``'s cannot tell: the
+    resident set, which a slow heap makes the guards read, does not drop when a collection
+    hands blocks back to malloc, so judged on it every collection would look useless and be
+    skipped while cycles pile up. Without it ``read``'s readings serve."""
+    start = (gauge or read)()
     gc.collect(1)
     now = read()
     if held(now):
         collect_all()
         now = read()
     if backoff is not None:
-        (backoff.useless if held(now) and not freed(start, now) else backoff.useful)()
+        end = now if gauge is None else gauge()
+        (backoff.useless if held(now) and not freed(start, end) else backoff.useful)()
     return now
 
 
@@ -278,6 +285,11 @@ class Settler:
         if held:
             now = self._collect(pairs, held, entry, kind)
             collected = True
+            if kind == "resident":  # blocks freed to malloc show in the resident set once
+                # trimmed; untrimmed, the next call reuses them, seems to keep nothing, and
+                # its cycle is left
+                empty_caches(b for b, d in pairs if d in held and b.name == "host")
+                now = read_all(pairs, kind)
         swollen = self._swollen(pairs, now, entry)
         if swollen and (collected or self._cache_ready(swollen)):
             empty_caches(swollen)
@@ -324,8 +336,9 @@ class Settler:
             return any(-_growth(now, start, "allocated", d) > b.hold_tolerance
                        for b, d in pairs if d in held)
 
+        gauge = (lambda: read_all(pairs)) if kind != "in use" else None
         now = collect_held(lambda: read_all(pairs, kind), lambda now: bool(still(now)), freed,
-                           self._gc if self.adaptive else None)
+                           self._gc if self.adaptive else None, gauge)
         still_held = still(now)
         log.debug("collected garbage; still held on %s", still_held or "no device")
         return now

@@ -164,8 +164,9 @@ class _Watch:
             return any(_above(start[d], now[d]) > b.hold_tolerance for b, d in held)
 
         with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
+            in_use = {device: ("in use", None) for _, device in held}
             now = collect_held(lambda: _levels(pairs, reference), lambda now: bool(still(now)),
-                               freed, self.backoff)
+                               freed, self.backoff, lambda: _levels(held, in_use))
             empty_caches(backend for backend, _ in held)
         log.debug("inference_mode collected garbage; memory was held on %s",
                   ", ".join(device for _, device in held))
