@@ -546,6 +546,18 @@ def test_hugging_face_reads_the_mean_past_samples_of_equal_counts(tmp_path):
                arguments={"train_sampling_strategy": "sequential"})
 
 
+# batches of 8 with samples whose labels are all -100, none among the first four samples of
+# the first batch: a mean over the labelled samples there reads as one over all samples
+UNLABELLED = [5, 3, 1, 4, 2, 0, 0, 2] + [4, 0, 3, 1, 5, 2, 0, 3] + LENGTHS_24[16:]
+
+
+def test_hugging_face_reads_a_mean_over_the_labelled_samples(tmp_path):
+    # each sample's token mean, averaged over the samples with any label: slices weighted by
+    # their labelled samples (by all samples, the split step was 0.05 off the plain Trainer)
+    hf_compare(tmp_path, frozenset(), "labelled_mean", FIRST_FORWARD, lengths=UNLABELLED,
+               arguments={"train_sampling_strategy": "sequential"})
+
+
 def test_hugging_face_probe_out_of_memory_keeps_the_trainers_sum(tmp_path, caplog):
     # the gradient-free losses that read the loss run out of memory: the Trainer's own
     # assumption (a loss divided by num_items_in_batch, summed over the slices) stands (was
@@ -760,6 +772,14 @@ def test_lightning_reads_the_mean_without_weight(structure, loss, lengths):
     assert float(got.seen.compute()) == float(ref.seen.compute()) == 24
     if loss == "sample_mean":  # logged per slice with batch_size=: the probe's calls dropped
         assert logged == pytest.approx(ref_logged, rel=TOL)
+
+
+def test_lightning_reads_a_mean_over_the_labelled_samples():
+    # as test_hugging_face_reads_a_mean_over_the_labelled_samples, for Lightning
+    ref, _, got, _ = lightning_compare("pytorch_lightning", frozenset(), "dict",
+                                       "labelled_mean", FIRST_FORWARD, with_weight=False,
+                                       lengths=UNLABELLED)
+    assert weight_error(got, ref) <= TOL
 
 
 def test_lightning_probe_leaves_the_run_alone_or_steps_aside():
