@@ -25,11 +25,13 @@ from ..distributed import Sync
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
 from ._core import (
+    SAMPLES_OR_LABELLED,
     TRAIN,
     VAL,
     CallbackBase,
     causal_lm,
     failure_text,
+    labelled_samples,
     missing,
     probing,
     read_mean,
@@ -316,7 +318,10 @@ class MicrobatchedTrainingStep:
         self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
         # the context and items of a step whose batch weights its slices alike by tokens and
         # by samples: what the loss is a mean over is read again at the next split
-        self._undecided: Optional[tuple[Any, bool]] = None
+        self._undecided: Optional[tuple[Any, bool, str]] = None
+        # models whose loss matched a mean over samples on batches whose every sample had
+        # labels: read again at the first split of a batch with a sample without any
+        self._provisional: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
@@ -471,6 +476,7 @@ class MicrobatchedTrainingStep:
         Trainer passes it), else the slice's tokens (labels that are not -100) or samples,
         whichever the loss's own mean is over."""
         by_tokens = _default_weight(trainer)
+        labelled = labelled_samples(by_tokens)
 
         def weight(piece: Any) -> Any:
             context = self._context
@@ -482,25 +488,33 @@ class MicrobatchedTrainingStep:
                     unit = found[items]
                 elif self._undecided is not None and self._undecided[0] is context \
                         and self._undecided[1] == items:
-                    unit = "either"  # this step's batch could not tell: read again next step
+                    unit = self._undecided[2]  # this step's batch could not tell
                 else:
                     unit = _loss_unit(trainer, model, _Packed.rebuild(piece),
-                                      count if items else None, by_tokens)
-                    if unit == "either":
-                        self._undecided = (context, items)
+                                      count if items else None, by_tokens,
+                                      self._provisional.get(model))
+                    if unit in ("either", SAMPLES_OR_LABELLED):  # read again next step
+                        self._undecided = (context, items, unit)
+                        if unit == SAMPLES_OR_LABELLED:
+                            self._provisional[model] = unit
                     else:
                         found[items] = unit
             if unit == "items":
                 return 1
-            if unit == "samples":
+            if unit in ("samples", SAMPLES_OR_LABELLED):
                 return len(piece) if type(piece) is _Packed else samples_in(piece)
+            if unit == "labelled":
+                if isinstance(piece, list):  # a packed row's sequences
+                    return sum(1 for span in piece
+                               if float(by_tokens(_Packed.rebuild([span]))) > 0)
+                return labelled(piece)
             return by_tokens(_Packed.rebuild(piece))
 
         return weight
 
 
 def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
-               by_tokens: Callable[[Any], Any]) -> str:
+               by_tokens: Callable[[Any], Any], known: Optional[str] = None) -> str:
     """What the loss ``trainer.compute_loss`` gives for ``model`` is a mean over:
     ``"items"`` where it is divided by ``num_items_in_batch`` (``items``, passed by the
     Trainer: half the loss with ``2 * items``), else ``"tokens"`` or ``"samples"``
@@ -543,7 +557,7 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                         "(False: a mean of its own) to say", name)
                 return "items"
         unit = read_mean(loss, lambda i, j: float(by_tokens(piece(i, j))),
-                         int(plan.length or 0))
+                         int(plan.length or 0), known)
     except Exception as error:  # noqa: BLE001 - the step itself runs next and raises its own
         # the probe failed (out of memory, a model that cannot run one sample in eval mode,
         # a BatchNorm without running statistics): the Trainer's assumption stands
@@ -554,17 +568,21 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                     "not -100")
         return assumed
     ignores = " ignores num_items_in_batch and" if items is not None else ""
-    if unit == "either":  # every sample as many tokens: this batch is weighted alike
+    if unit in ("either", SAMPLES_OR_LABELLED):  # this batch is weighted alike either way
         return unit
-    if unit in ("tokens", "samples"):
+    if unit in ("tokens", "samples", "labelled"):
         log.info("auto_microbatch(trainer): %s's loss%s is a mean over %s: a split step "
-                 "weights its slices by their %s", name, ignores, unit,
-                 "labels that are not -100" if unit == "tokens" else "samples")
+                 "weights its slices by their %s", name, ignores,
+                 "the samples with any label" if unit == "labelled" else unit,
+                 {"tokens": "labels that are not -100", "samples": "samples",
+                  "labelled": "samples with any label that is not -100"}[unit])
         return unit
     if unit is None:
         log.warning("auto_microbatch(trainer): could not tell whether %s's loss%s is a mean "
-                    "over tokens or over samples; a split step weights its slices by their "
-                    "labels that are not -100. Pass weight= to say", name, ignores)
+                    "over tokens, over all samples or over the samples with any label that is "
+                    "not -100 (this batch weights its slices differently by each); a split "
+                    "step weights its slices by their labels that are not -100. Pass weight= "
+                    "(the count the loss averages over) to say", name, ignores)
     return "tokens"
 
 
