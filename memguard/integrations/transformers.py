@@ -322,9 +322,38 @@ class MicrobatchedTrainingStep:
         # models whose loss matched a mean over samples on batches whose every sample had
         # labels: read again at the first split of a batch with a sample without any
         self._provisional: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+        # under DDP: the agreement on the reading's calls, the step and items it was made
+        # for last, and whether every rank's reading is final (no agreement needed)
+        self._agreement: Any = None
+        self._exchanged: Optional[tuple[Any, bool]] = None
+        self._settled = False
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
+
+    def _probe_calls(self, context: Any, items: bool, piece: Any, probe: bool) -> int:
+        """Under DDP, at the first weight of a split step: the ranks agree on how many
+        gradient-free ``compute_loss`` calls the reading of the loss makes, the most any
+        rank may make (0 where no rank reads), so that a ``compute_loss`` that runs a
+        collective of its own (``gather_for_metrics``) runs it as often on every rank; ``0``
+        without DDP, after the first weight of the step, or once no rank reads any more."""
+        if self._settled or (self._exchanged is not None and self._exchanged[0] is context
+                             and self._exchanged[1] == items):
+            return 0
+        self._exchanged = (context, items)
+        if self._agreement is None:
+            from ..distributed import Agreement
+
+            self._agreement = Agreement(self._options.get("sync", "auto"))
+        if not self._agreement.active:
+            self._settled = True
+            return 0
+        length = min(len(piece) if isinstance(piece, list) else samples_in(piece), 4)
+        bound = (2 * length if items else 0) + length + 1 if probe else 0
+        most = self._agreement.all_max([bound])[0]
+        if most == 0:  # every rank's reading is final
+            self._settled = True
+        return most
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -484,15 +513,21 @@ class MicrobatchedTrainingStep:
             if context is not None:
                 model, count = context
                 found = self._units.setdefault(model, {})
+                probe = items not in found and not (
+                    self._undecided is not None and self._undecided[0] is context
+                    and self._undecided[1] == items)
+                calls = self._probe_calls(context, items, piece, probe)
                 if items in found:
                     unit = found[items]
-                elif self._undecided is not None and self._undecided[0] is context \
-                        and self._undecided[1] == items:
-                    unit = self._undecided[2]  # this step's batch could not tell
+                    if calls:  # another rank reads its loss: as many calls here
+                        _loss_unit(trainer, model, _Packed.rebuild(piece), None, by_tokens,
+                                   calls=calls, probe=False)
+                elif not probe:
+                    unit = self._undecided[2]  # type: ignore[index]  # this batch could not tell
                 else:
                     unit = _loss_unit(trainer, model, _Packed.rebuild(piece),
                                       count if items else None, by_tokens,
-                                      self._provisional.get(model))
+                                      self._provisional.get(model), calls=calls)
                     if unit in ("either", SAMPLES_OR_LABELLED):  # read again next step
                         self._undecided = (context, items, unit)
                         if unit == SAMPLES_OR_LABELLED:
@@ -514,7 +549,8 @@ class MicrobatchedTrainingStep:
 
 
 def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
-               by_tokens: Callable[[Any], Any], known: Optional[str] = None) -> str:
+               by_tokens: Callable[[Any], Any], known: Optional[str] = None,
+               calls: int = 0, probe: bool = True) -> str:
     """What the loss ``trainer.compute_loss`` gives for ``model`` is a mean over:
     ``"items"`` where it is divided by ``num_items_in_batch`` (``items``, passed by the
     Trainer: half the loss with ``2 * items``), else ``"tokens"`` or ``"samples"``
@@ -523,11 +559,13 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     number generators restored, and logged. Undecided (a loss of zero, a weighting of its
     own, an FSDP-sharded model whose forward would gather on one rank only, a probe that
     ran out of memory or raised),
-    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens."""
+    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens. With
+    ``calls`` (DDP: the most calls any rank's reading makes), ``compute_loss`` is called
+    that often in all, one sample's loss again after the reading (``probe=False``: only
+    those calls, for a rank whose reading is final)."""
     from .._slices import plan_batch
     from ..backends import torch_fsdp
 
-    name = type(trainer).__name__
     assumed = "items" if items is not None else "tokens"
     if torch_fsdp.units(model):
         return assumed
@@ -539,12 +577,30 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     def piece(i: int, j: int) -> Any:
         return _Packed.rebuild(plan.cut(source, i, j))
 
+    made: list[int] = []
+
     def loss(i: int, j: int, count: Any = items) -> float:
+        made.append(1)
         inputs = trainer._prepare_inputs(piece(i, j))  # noqa: SLF001 - as training_step
         with probing(unwrapped), trainer.compute_loss_context_manager():
             return float(trainer.compute_loss(unwrapped, dict(inputs),
                                               num_items_in_batch=count))
 
+    try:
+        if not probe:
+            return assumed
+        return _read_unit(loss, trainer, items, plan, piece, known, by_tokens)
+    finally:
+        while len(made) < calls:  # as many calls as the rank that reads most (DDP)
+            loss(0, 1)
+
+
+def _read_unit(loss: Callable[..., float], trainer: Any, items: Any, plan: Any,
+               piece: Callable[[int, int], Any], known: Optional[str],
+               by_tokens: Callable[[Any], Any]) -> str:
+    """The body of :func:`_loss_unit`: the reading, logged."""
+    name = type(trainer).__name__
+    assumed = "items" if items is not None else "tokens"
     try:
         if items is not None:
             divided = _divided_by_items(loss, items, int(plan.length or 0))
