@@ -325,22 +325,24 @@ class MicrobatchedTrainingStep:
         # under DDP: the agreement on the reading's calls, the step and items it was made
         # for last, and whether every rank's reading is final (no agreement needed)
         self._agreement: Any = None
-        self._exchanged: Optional[tuple[Any, bool]] = None
+        self._calls = 0  # this step's
+        # id of a model -> the most single-sample losses its reading takes, per sample read:
+        # 3 with num_items_in_batch (twice each, then the mean), 1 without, 0 weight given
+        self._probes: dict[int, int] = {}
         self._settled = False
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
 
-    def _probe_calls(self, context: Any, items: bool, piece: Any, probe: bool) -> int:
-        """Under DDP, at the first weight of a split step: the ranks agree on how many
-        gradient-free ``compute_loss`` calls the reading of the loss makes, the most any
-        rank may make (0 where no rank reads), so that a ``compute_loss`` that runs a
-        collective of its own (``gather_for_metrics``) runs it as often on every rank; ``0``
-        without DDP, after the first weight of the step, or once no rank reads any more."""
-        if self._settled or (self._exchanged is not None and self._exchanged[0] is context
-                             and self._exchanged[1] == items):
+    def _agree_calls(self, model: Any, inputs: Any) -> int:
+        """Under DDP, at every step while some rank's reading of the loss is not final: the
+        ranks agree on the most gradient-free ``compute_loss`` calls a reading may make at
+        this step (each rank's bound, from its batch; 0 where its reading is final), so
+        that a ``compute_loss`` running a collective of its own (``gather_for_metrics``)
+        runs it as often on every rank that splits. ``0`` without DDP, for a step whose
+        weight is given, and once every rank's reading is final."""
+        if self._settled or not self._probes.get(id(model)):
             return 0
-        self._exchanged = (context, items)
         if self._agreement is None:
             from ..distributed import Agreement
 
@@ -348,8 +350,8 @@ class MicrobatchedTrainingStep:
         if not self._agreement.active:
             self._settled = True
             return 0
-        length = min(len(piece) if isinstance(piece, list) else samples_in(piece), 4)
-        bound = (2 * length if items else 0) + length + 1 if probe else 0
+        length = min(len(inputs) if isinstance(inputs, list) else samples_in(inputs), 4)
+        bound = 0 if self._units.get(model) else self._probes[id(model)] * length + 1
         most = self._agreement.all_max([bound])[0]
         if most == 0:  # every rank's reading is final
             self._settled = True
@@ -428,6 +430,8 @@ class MicrobatchedTrainingStep:
         reduction = self._options.get("reduction") or ("sum" if scaled else "mean")
         step = self._step(trainer, model, reduction)
         self._last = step
+        self._calls = self._agree_calls(model, inputs if _Packed.of(inputs) is None
+                                        else _Packed.of(inputs))
         divisor = trainer.accelerator.gradient_accumulation_steps
         packed = _Packed.of(inputs)  # padding-free packing: cut between its sequences
         self._context = (model, num_items_in_batch)
@@ -447,14 +451,17 @@ class MicrobatchedTrainingStep:
             return known[1]
         options = dict(self._options)
         options["reduction"] = reduction
+        self._probes[id(model)] = 0
         if reduction == "mean" and options.get("weight") is None:
             options["weight"] = self._probed_weight(trainer, items=False)
+            self._probes[id(model)] = 1
         elif reduction == "sum" and "reduction" not in self._options \
                 and options.get("weight") is None and trainer.loss_is_scaled_for_ga is None:
             # the Trainer takes the loss to be divided by num_items_in_batch because the model
             # accepts **kwargs: whether it is, is found out at the first split
             options["reduction"] = "mean"
             options["weight"] = self._probed_weight(trainer, items=True)
+            self._probes[id(model)] = 3
         elif options.get("weight") is not None:
             counted = options["weight"]
             options["weight"] = lambda piece: counted(_Packed.rebuild(piece))
@@ -516,7 +523,7 @@ class MicrobatchedTrainingStep:
                 probe = items not in found and not (
                     self._undecided is not None and self._undecided[0] is context
                     and self._undecided[1] == items)
-                calls = self._probe_calls(context, items, piece, probe)
+                calls, self._calls = self._calls, 0  # the first weight of the step
                 if items in found:
                     unit = found[items]
                     if calls:  # another rank reads its loss: as many calls here
