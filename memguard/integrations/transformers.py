@@ -833,8 +833,11 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     twice it. Otherwise each slice's loss is weighted by ``weight``; by default by what the
     loss's own mean is over, read at the same first split (or the next whose samples do not
     all count as many labels) from the gradient-free losses of four samples alone and
-    together, from the first two whose counts differ: its labels that are not -100
-    (shifted as the Trainer counts them) or its samples. With
+    together, from the first that hold what the batch holds (samples of different counts, a
+    sample without labels): its labels that are not -100 (shifted as the Trainer counts
+    them), its samples, or its samples with any label (a mean of per-sample means over the
+    samples that have labels). Under DDP every rank makes as many of these gradient-free
+    ``compute_loss`` calls, for a ``compute_loss`` with a collective of its own. With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
