@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from budget import run_ranks
+from frameworks import requires
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ranks"),
+# two ranks, a tiny model, two steps: 5-10 s each, not slow
+pytestmark = [requires("transformers", "accelerate"), pytest.mark.xdist_group("ranks"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TRAINER = """
