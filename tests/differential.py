@@ -23,6 +23,7 @@ FEATURES = ("batchnorm", "dropout", "tied", "frozen", "lazy", "buffers", "checkp
 STRUCTURES = ("tensor", "dict", "nested", "list_equal", "list_unequal", "dataclass", "strings",
               "numpy", "encoding")
 LOSSES = ("sample_mean", "token_mean", "sum", "smoothing", "weighted", "pooled")
+# also "labelled_mean": each sample's token mean, averaged over the samples with any label
 # features whose output depends on which samples share a pass: compared with plain torch
 # on the same slices (gradient accumulation), not on the whole batch
 COUPLED = frozenset({"batchnorm", "dropout", "buffers"})
@@ -212,6 +213,8 @@ def loss_value(kind: str, logits: torch.Tensor, y: torch.Tensor, seg: torch.Tens
     per_sample = per_sample / counts
     if kind == "sample_mean":
         return per_sample.mean()
+    if kind == "labelled_mean":  # samples whose labels are all -100 count for nothing
+        return per_sample.sum() / torch.zeros(n).index_add(0, seg, real).gt(0).sum()
     if kind == "weighted":
         return (per_sample * w).sum() / w.sum()
     raise ValueError(kind)
@@ -236,6 +239,8 @@ def share(loss: str, part: Samples, whole: Samples) -> float:
         return float((part.y != -100).sum()) / float((whole.y != -100).sum())
     if loss == "weighted":
         return float(part.w.sum()) / float(whole.w.sum())
+    if loss == "labelled_mean":
+        return sum(n > 0 for n in part.lengths) / sum(n > 0 for n in whole.lengths)
     return len(part) / len(whole)
 
 

@@ -546,6 +546,26 @@ def test_hugging_face_reads_the_mean_past_samples_of_equal_counts(tmp_path):
                arguments={"train_sampling_strategy": "sequential"})
 
 
+# batches of 8 with samples whose labels are all -100, none among the first four samples of
+# the first batch: a mean over the labelled samples there reads as one over all samples
+UNLABELLED = [5, 3, 1, 4, 2, 0, 0, 2] + [4, 0, 3, 0, 5, 2, 1, 3] + LENGTHS_24[16:]
+# the first batch has labels in every sample: a mean over all samples and one over the
+# labelled samples weight it alike, and the second batch is read again
+LABELLED_FIRST = [5, 3, 1, 4, 2, 5, 1, 2] + UNLABELLED[8:]
+UNLABELLED_ROWS = [("labelled_mean", UNLABELLED), ("labelled_mean", LABELLED_FIRST),
+                   ("sample_mean", LABELLED_FIRST)]
+UNLABELLED_IDS = ["labelled_mean", "labelled_mean-labelled_first", "sample_mean-labelled_first"]
+
+
+@pytest.mark.parametrize("loss, lengths", UNLABELLED_ROWS, ids=UNLABELLED_IDS)
+def test_hugging_face_reads_a_mean_over_the_labelled_samples(tmp_path, loss, lengths):
+    # each sample's token mean, averaged over the samples with any label: slices weighted by
+    # their labelled samples (by all samples, the split step was 0.044 off the plain Trainer,
+    # silently); a mean over all samples, where the first batch cannot tell, stays one
+    hf_compare(tmp_path, frozenset(), loss, FIRST_FORWARD, lengths=lengths,
+               arguments={"train_sampling_strategy": "sequential"})
+
+
 def test_hugging_face_probe_out_of_memory_keeps_the_trainers_sum(tmp_path, caplog):
     # the gradient-free losses that read the loss run out of memory: the Trainer's own
     # assumption (a loss divided by num_items_in_batch, summed over the slices) stands (was
@@ -760,6 +780,14 @@ def test_lightning_reads_the_mean_without_weight(structure, loss, lengths):
     assert float(got.seen.compute()) == float(ref.seen.compute()) == 24
     if loss == "sample_mean":  # logged per slice with batch_size=: the probe's calls dropped
         assert logged == pytest.approx(ref_logged, rel=TOL)
+
+
+@pytest.mark.parametrize("loss, lengths", UNLABELLED_ROWS, ids=UNLABELLED_IDS)
+def test_lightning_reads_a_mean_over_the_labelled_samples(loss, lengths):
+    # as test_hugging_face_reads_a_mean_over_the_labelled_samples, for Lightning
+    ref, _, got, _ = lightning_compare("pytorch_lightning", frozenset(), "dict", loss,
+                                       FIRST_FORWARD, with_weight=False, lengths=lengths)
+    assert weight_error(got, ref) <= TOL
 
 
 def test_lightning_probe_leaves_the_run_alone_or_steps_aside():

@@ -83,3 +83,39 @@ def test_every_callback_shares_the_base_and_stays_its_frameworks_callback(module
     assert failure["memory"] == memory.to_dict()
     with pytest.raises(ValueError, match="MemguardCallback: max_leak"):
         cls(max_leak="lots")
+
+
+def test_averaged_over_tells_tokens_samples_and_labelled_samples_apart():
+    from memguard.integrations._core import SAMPLES_OR_LABELLED, averaged_over
+
+    values = [2.0, 5.0, 3.0, 7.0, 1.0, 4.0]
+
+    def reader(counts):
+        def mean(kind):
+            def loss(i, j):
+                part = list(zip(values[i:j], counts[i:j], strict=True))
+                labelled = [(v, c) for v, c in part if c > 0]
+                if kind != "samples" and not labelled:
+                    return float("nan")  # a mean over nothing
+                if kind == "tokens":
+                    return sum(v * c for v, c in labelled) / sum(c for _, c in labelled)
+                if kind == "labelled":
+                    return sum(v for v, _ in labelled) / len(labelled)
+                return sum(v if c > 0 else 0.0 for v, c in part) / len(part)  # samples
+            return loss
+        return mean, (lambda i, j: sum(counts[i:j]))
+
+    # the sample without labels is the fifth: the window read holds it
+    mean, tokens = reader([3, 1, 4, 2, 0, 2])
+    assert {kind: averaged_over(mean(kind), tokens, 6)
+            for kind in ("tokens", "samples", "labelled")} == \
+        {"tokens": "tokens", "samples": "samples", "labelled": "labelled"}
+    # every sample labelled: all samples and labelled ones weight this batch alike
+    mean, tokens = reader([3, 1, 4, 2, 5, 2])
+    assert averaged_over(mean("labelled"), tokens, 6) == SAMPLES_OR_LABELLED
+    assert averaged_over(mean("labelled"), tokens, 6, known=SAMPLES_OR_LABELLED) == \
+        SAMPLES_OR_LABELLED
+    # no four neighbours hold both a sample without labels and labels of different counts:
+    # tokens and labelled samples match the samples read yet weight the batch differently
+    mean, tokens = reader([0, 2, 2, 2, 2, 3])
+    assert averaged_over(mean("labelled"), tokens, 6) is None

@@ -427,21 +427,39 @@ def padded_paths(batch: Any) -> list[tuple[Any, ...]]:
     return found
 
 
+#: What :func:`averaged_over` returns where a batch without unlabelled samples matches a mean
+#: over samples: a mean over all samples and one over the samples with any label weight its
+#: slices alike; the first batch with an unlabelled sample tells them apart.
+SAMPLES_OR_LABELLED = "samples or labelled"
+
+
 def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
-                  length: int, most: int = 4) -> Optional[str]:
+                  length: int, most: int = 4, known: Optional[str] = None) -> Optional[str]:
     """What a loss's own mean is over, read from its values: ``loss(i, j)`` on samples
     ``i:j`` of a batch of ``length`` and ``tokens(i, j)`` the tokens counted there. A mean
-    over tokens weights each sample by its tokens, one over samples weights them alike: the
-    loss of ``most`` consecutive samples together is predicted from their single losses both
-    ways, and the prediction it matches wins. The samples read are the first ``most`` from
-    the first two neighbours whose token counts differ (samples of equal counts cannot tell
-    the two means apart).
+    over tokens weights each sample by its tokens, one over samples weights them alike, one
+    over the labelled samples weights those with any token alike and the others not at all:
+    the loss of ``most`` consecutive samples together is predicted from their single losses
+    each way, and the prediction it matches wins. The samples read are the first ``most``
+    that hold what the batch holds of: two samples of different counts, a sample without
+    tokens beside one with, two samples with tokens of different counts (samples that do not
+    differ so cannot tell those means apart).
+
+    Args:
+        loss: the loss of samples ``i:j``, a float.
+        tokens: the tokens counted in samples ``i:j``.
+        length: the samples of the batch.
+        most: the most samples read together.
+        known: the answer of an earlier batch, :data:`SAMPLES_OR_LABELLED`, given back at
+            once (no loss computed) where this batch has no sample without tokens either.
 
     Returns:
-        ``"tokens"`` or ``"samples"``; ``"either"`` where every sample of the batch counts
-        as many tokens, or the two predictions agree: this batch is weighted alike both ways,
-        a later one may not be; ``None`` where neither matches (a weighting of its own) or
-        fewer than two samples say nothing.
+        ``"tokens"``, ``"samples"`` or ``"labelled"``; ``"either"`` where every sample of the
+        batch counts as many tokens, or the matching means weight this batch alike by
+        tokens: a later batch may not; :data:`SAMPLES_OR_LABELLED` where a mean over all
+        samples matches on a batch whose every sample has tokens; ``None`` where none
+        matches (a weighting of its own), or several that weight this batch differently,
+        or fewer than two samples say nothing.
 
     >>> values, counts = [2.0, 4.0], [1, 3]
     >>> def token_mean(i, j):
@@ -452,50 +470,83 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
     n = min(length, most)
     if n < 2:
         return None
-    counts: list[float] = []  # each sample's, counted as far as needed
+    counts = [tokens(i, i + 1) for i in range(length)]  # no forward: cheap
+    if any(count < 0 for count in counts):
+        return None
+    if len(set(counts)) == 1:
+        return "either"  # equal counts: every mean weights this batch alike
+    mixed = 0 in counts  # a sample without tokens: all samples and labelled ones differ
+    if known == SAMPLES_OR_LABELLED and not mixed:
+        return known
+    uneven = len({count for count in counts if count > 0}) > 1  # tokens and labelled differ
 
-    def count(i: int) -> float:
-        while len(counts) <= i:
-            counts.append(tokens(len(counts), len(counts) + 1))
-        return counts[i]
+    def tells(part: list[float]) -> bool:
+        return (len(set(part)) > 1 and (not mixed or (0 in part and max(part) > 0))
+                and (not uneven or len({count for count in part if count > 0}) > 1))
 
-    differ = next((i for i in range(length - 1) if count(i) != count(i + 1)), None)
-    if differ is None:
-        return "either"  # equal counts: tokens and samples weight this batch alike
-    first = min(differ, length - n)
-    singles = [(loss(i, i + 1), count(i)) for i in range(first, first + n)]
+    first = next((i for i in range(length - n + 1) if tells(counts[i:i + n])),
+                 next(i for i in range(length - n + 1) if len(set(counts[i:i + n])) > 1))
+    window = counts[first:first + n]
+    singles = [loss(i, i + 1) for i in range(first, first + n)]
     whole = loss(first, first + n)
-    counted = [(value, count) for value, count in singles if count > 0]
-    if not math.isfinite(whole) or not counted or any(count < 0 for _, count in singles) \
+    counted = [(value, count) for value, count in zip(singles, window, strict=True)
+               if count > 0]
+    if not math.isfinite(whole) or not counted \
             or any(not math.isfinite(value) for value, _ in counted):
         return None
     scale = max(abs(whole), 1e-12)
-    by_tokens = sum(v * c for v, c in counted) / sum(c for _, c in counted)
-    if any(not math.isfinite(value) for value, _ in singles):
-        # a sample without tokens has no mean of its own (0/0): a mean over tokens only
-        return "tokens" if abs(whole - by_tokens) <= 1e-3 * scale else None
-    by_samples = sum(value for value, _ in singles) / n
-    gap = abs(by_tokens - by_samples)
-    if gap <= 1e-4 * scale:
+    predicted = {"tokens": sum(v * c for v, c in counted) / sum(c for _, c in counted),
+                 "labelled": sum(v for v, _ in counted) / len(counted)}
+    if all(math.isfinite(value) for value in singles):
+        # a sample without tokens may have no mean of its own (0/0): no mean over samples
+        predicted["samples"] = sum(singles) / n
+    matched = set()
+    for unit, value in predicted.items():
+        gaps = [abs(value - other) for other in predicted.values()
+                if abs(value - other) > 1e-4 * scale]
+        if abs(whole - value) <= (0.05 * min(gaps) if gaps else 1e-3 * scale):
+            matched.add(unit)
+    if len(matched) == 1:
+        return matched.pop()
+    # several match: where they weight every sample of the batch alike, this batch is
+    # weighted right either way
+    if matched == {"tokens", "labelled"} and not uneven:
         return "either"
-    if abs(whole - by_tokens) <= 0.05 * gap:
-        return "tokens"
-    if abs(whole - by_samples) <= 0.05 * gap:
-        return "samples"
+    if matched == {"samples", "labelled"} and not mixed:
+        return SAMPLES_OR_LABELLED
     return None
 
 
 def read_mean(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
-              length: int) -> Optional[str]:
+              length: int, known: Optional[str] = None) -> Optional[str]:
     """:func:`averaged_over` on four samples, else on two where four together run out of
     memory (the batch that did may be small); ``None`` where two do as well."""
     for most in (4, 2):
         try:
-            return averaged_over(loss, tokens, length, most)
+            return averaged_over(loss, tokens, length, most, known)
         except Exception as error:
             if not is_oom_error(error):
                 raise
     return None
+
+
+def labelled_samples(tokens: Callable[[Any], Any]) -> Callable[[Any], int]:
+    """The weight of a mean over the labelled samples: the samples of a slice whose
+    ``tokens`` (a count such as :func:`token_weight`'s) are more than zero.
+
+    >>> import torch
+    >>> weight = labelled_samples(token_weight(shifts=False))
+    >>> weight({"labels": torch.tensor([[1, -100], [-100, -100], [2, 3]])})
+    2
+    """
+    from .._slices import plan_batch
+
+    def weight(piece: Any) -> int:
+        plan = plan_batch(piece)
+        return sum(1 for i in range(int(plan.length or 0))
+                   if float(tokens(plan.cut(piece, i, i + 1))) > 0)
+
+    return weight
 
 
 def failure_text(error: BaseException) -> str:
@@ -530,6 +581,7 @@ def samples_in(batch: Any) -> int:
     return int(plan_batch(batch).length or 0)
 
 
-__all__ = ["CallbackBase", "Tracker", "averaged_over", "causal_lm", "check_options",
-           "failure_text", "metrics_of", "missing", "padded_labels", "padded_paths", "probing",
-           "read_mean", "retry_running", "samples_in", "token_weight"]
+__all__ = ["SAMPLES_OR_LABELLED", "CallbackBase", "Tracker", "averaged_over", "causal_lm",
+           "check_options", "failure_text", "labelled_samples", "metrics_of", "missing",
+           "padded_labels", "padded_paths", "probing", "read_mean", "retry_running",
+           "samples_in", "token_weight"]

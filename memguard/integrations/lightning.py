@@ -32,11 +32,13 @@ from ..distributed import Sync
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch
 from ._core import (
+    SAMPLES_OR_LABELLED,
     TRAIN,
     VAL,
     CallbackBase,
     causal_lm,
     failure_text,
+    labelled_samples,
     missing,
     padded_labels,
     padded_paths,
@@ -513,13 +515,14 @@ def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
     # a step's batch that could not tell (no padding, equal counts): its call and weight,
     # read again at the next split
     undecided: list[tuple[Any, Callable[[Any], Any]]] = []
+    known: list[str] = []  # SAMPLES_OR_LABELLED once a batch said so
 
     def weight(piece: Any) -> Any:
         if chosen:
             return chosen[0](piece)
         if undecided and undecided[0][0] is call[0]:
             return undecided[0][1](piece)
-        counted, final = _weight_for(module, step, logs, call[0], piece, named, shifts)
+        counted, final = _weight_for(module, step, logs, call[0], piece, named, shifts, known)
         if final:
             chosen.append(counted)
         else:
@@ -531,7 +534,8 @@ def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
 
 def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                 call: tuple[tuple, dict], batch: Any, named: Callable[[Any], Any],
-                shifts: bool) -> tuple[Callable[[Any], Any], bool]:
+                shifts: bool, known: Optional[list[str]] = None
+                ) -> tuple[Callable[[Any], Any], bool]:
     """The weight :func:`_default_weight` chooses for ``batch``, and whether it holds for
     later batches (``False`` where this batch weights its slices alike either way: no labels
     padded with -100, or every sample as many tokens)."""
@@ -574,7 +578,7 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
 
     try:
         unit = read_mean(loss, lambda i, j: float(tokens(plan.cut(batch, i, j))),
-                         int(plan.length or 0))
+                         int(plan.length or 0), known[0] if known else None)
     except Exception as error:  # noqa: BLE001 - the step itself runs next and raises its own
         # training_step cannot run one sample in eval mode (a BatchNorm without running
         # statistics, say): undecided, as below
@@ -582,12 +586,22 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                     name, failure_text(error))
         unit = None
     if unit is None:
-        log.warning("MemguardCallback: could not tell whether %s's loss is a mean over tokens "
-                    "or over samples; a split step weights each slice by its %s. Pass "
-                    "weight= or reduction= to say", name, counted if labelled else "samples")
+        log.warning("MemguardCallback: could not tell whether %s's loss is a mean over tokens, "
+                    "over all samples or over the samples with any label that is not -100 "
+                    "(this batch weights its slices differently by each); a split step weights "
+                    "each slice by its %s. Pass weight= (the count the loss averages over) or "
+                    "reduction= to say", name, counted if labelled else "samples")
         return (tokens if labelled else samples_in), True
     if unit == "either":
         return tokens, False
+    if unit == SAMPLES_OR_LABELLED:  # no sample without labels yet: read again at one
+        if known is not None:
+            known[:] = [unit]
+        return samples_in, False
+    if unit == "labelled":
+        log.info("MemguardCallback: %s's loss is a mean over the samples with any label that "
+                 "is not -100: a split step weights each slice by those samples", name)
+        return labelled_samples(tokens), True
     if unit == "samples":
         log.info("MemguardCallback: %s's loss is a mean over samples: a split step weights "
                  "each slice by its samples", name)

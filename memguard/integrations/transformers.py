@@ -25,11 +25,13 @@ from ..distributed import Sync
 from ..loop import Attempt, Factor
 from ..microbatch import Reduction, auto_microbatch as _auto_microbatch
 from ._core import (
+    SAMPLES_OR_LABELLED,
     TRAIN,
     VAL,
     CallbackBase,
     causal_lm,
     failure_text,
+    labelled_samples,
     missing,
     probing,
     read_mean,
@@ -316,10 +318,44 @@ class MicrobatchedTrainingStep:
         self._context: Optional[tuple[Any, Any]] = None  # this call's model and count
         # the context and items of a step whose batch weights its slices alike by tokens and
         # by samples: what the loss is a mean over is read again at the next split
-        self._undecided: Optional[tuple[Any, bool]] = None
+        self._undecided: Optional[tuple[Any, bool, str]] = None
+        # models whose loss matched a mean over samples on batches whose every sample had
+        # labels: read again at the first split of a batch with a sample without any
+        self._provisional: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+        # under DDP: the agreement on the reading's calls, the step and items it was made
+        # for last, and whether every rank's reading is final (no agreement needed)
+        self._agreement: Any = None
+        self._calls = 0  # this step's
+        # id of a model -> the most single-sample losses its reading takes, per sample read:
+        # 3 with num_items_in_batch (twice each, then the mean), 1 without, 0 weight given
+        self._probes: dict[int, int] = {}
+        self._settled = False
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
+
+    def _agree_calls(self, model: Any, inputs: Any) -> int:
+        """Under DDP, at every step while some rank's reading of the loss is not final: the
+        ranks agree on the most gradient-free ``compute_loss`` calls a reading may make at
+        this step (each rank's bound, from its batch; 0 where its reading is final), so
+        that a ``compute_loss`` running a collective of its own (``gather_for_metrics``)
+        runs it as often on every rank that splits. ``0`` without DDP, for a step whose
+        weight is given, and once every rank's reading is final."""
+        if self._settled or not self._probes.get(id(model)):
+            return 0
+        if self._agreement is None:
+            from ..distributed import Agreement
+
+            self._agreement = Agreement(self._options.get("sync", "auto"))
+        if not self._agreement.active:
+            self._settled = True
+            return 0
+        length = min(len(inputs) if isinstance(inputs, list) else samples_in(inputs), 4)
+        bound = 0 if self._units.get(model) else self._probes[id(model)] * length + 1
+        most = self._agreement.all_max([bound])[0]
+        if most == 0:  # every rank's reading is final
+            self._settled = True
+        return most
 
     # -- statistics ------------------------------------------------------------------------
     @property
@@ -394,6 +430,8 @@ class MicrobatchedTrainingStep:
         reduction = self._options.get("reduction") or ("sum" if scaled else "mean")
         step = self._step(trainer, model, reduction)
         self._last = step
+        self._calls = self._agree_calls(model, inputs if _Packed.of(inputs) is None
+                                        else _Packed.of(inputs))
         divisor = trainer.accelerator.gradient_accumulation_steps
         packed = _Packed.of(inputs)  # padding-free packing: cut between its sequences
         self._context = (model, num_items_in_batch)
@@ -413,14 +451,17 @@ class MicrobatchedTrainingStep:
             return known[1]
         options = dict(self._options)
         options["reduction"] = reduction
+        self._probes[id(model)] = 0
         if reduction == "mean" and options.get("weight") is None:
             options["weight"] = self._probed_weight(trainer, items=False)
+            self._probes[id(model)] = 1
         elif reduction == "sum" and "reduction" not in self._options \
                 and options.get("weight") is None and trainer.loss_is_scaled_for_ga is None:
             # the Trainer takes the loss to be divided by num_items_in_batch because the model
             # accepts **kwargs: whether it is, is found out at the first split
             options["reduction"] = "mean"
             options["weight"] = self._probed_weight(trainer, items=True)
+            self._probes[id(model)] = 3
         elif options.get("weight") is not None:
             counted = options["weight"]
             options["weight"] = lambda piece: counted(_Packed.rebuild(piece))
@@ -471,6 +512,7 @@ class MicrobatchedTrainingStep:
         Trainer passes it), else the slice's tokens (labels that are not -100) or samples,
         whichever the loss's own mean is over."""
         by_tokens = _default_weight(trainer)
+        labelled = labelled_samples(by_tokens)
 
         def weight(piece: Any) -> Any:
             context = self._context
@@ -478,29 +520,44 @@ class MicrobatchedTrainingStep:
             if context is not None:
                 model, count = context
                 found = self._units.setdefault(model, {})
+                probe = items not in found and not (
+                    self._undecided is not None and self._undecided[0] is context
+                    and self._undecided[1] == items)
+                calls, self._calls = self._calls, 0  # the first weight of the step
                 if items in found:
                     unit = found[items]
-                elif self._undecided is not None and self._undecided[0] is context \
-                        and self._undecided[1] == items:
-                    unit = "either"  # this step's batch could not tell: read again next step
+                    if calls:  # another rank reads its loss: as many calls here
+                        _loss_unit(trainer, model, _Packed.rebuild(piece), None, by_tokens,
+                                   calls=calls, probe=False)
+                elif not probe:
+                    unit = self._undecided[2]  # type: ignore[index]  # this batch could not tell
                 else:
                     unit = _loss_unit(trainer, model, _Packed.rebuild(piece),
-                                      count if items else None, by_tokens)
-                    if unit == "either":
-                        self._undecided = (context, items)
+                                      count if items else None, by_tokens,
+                                      self._provisional.get(model), calls=calls)
+                    if unit in ("either", SAMPLES_OR_LABELLED):  # read again next step
+                        self._undecided = (context, items, unit)
+                        if unit == SAMPLES_OR_LABELLED:
+                            self._provisional[model] = unit
                     else:
                         found[items] = unit
             if unit == "items":
                 return 1
-            if unit == "samples":
+            if unit in ("samples", SAMPLES_OR_LABELLED):
                 return len(piece) if type(piece) is _Packed else samples_in(piece)
+            if unit == "labelled":
+                if isinstance(piece, list):  # a packed row's sequences
+                    return sum(1 for span in piece
+                               if float(by_tokens(_Packed.rebuild([span]))) > 0)
+                return labelled(piece)
             return by_tokens(_Packed.rebuild(piece))
 
         return weight
 
 
 def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
-               by_tokens: Callable[[Any], Any]) -> str:
+               by_tokens: Callable[[Any], Any], known: Optional[str] = None,
+               calls: int = 0, probe: bool = True) -> str:
     """What the loss ``trainer.compute_loss`` gives for ``model`` is a mean over:
     ``"items"`` where it is divided by ``num_items_in_batch`` (``items``, passed by the
     Trainer: half the loss with ``2 * items``), else ``"tokens"`` or ``"samples"``
@@ -509,11 +566,13 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     number generators restored, and logged. Undecided (a loss of zero, a weighting of its
     own, an FSDP-sharded model whose forward would gather on one rank only, a probe that
     ran out of memory or raised),
-    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens."""
+    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens. With
+    ``calls`` (DDP: the most calls any rank's reading makes), ``compute_loss`` is called
+    that often in all, one sample's loss again after the reading (``probe=False``: only
+    those calls, for a rank whose reading is final)."""
     from .._slices import plan_batch
     from ..backends import torch_fsdp
 
-    name = type(trainer).__name__
     assumed = "items" if items is not None else "tokens"
     if torch_fsdp.units(model):
         return assumed
@@ -525,12 +584,30 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     def piece(i: int, j: int) -> Any:
         return _Packed.rebuild(plan.cut(source, i, j))
 
+    made: list[int] = []
+
     def loss(i: int, j: int, count: Any = items) -> float:
+        made.append(1)
         inputs = trainer._prepare_inputs(piece(i, j))  # noqa: SLF001 - as training_step
         with probing(unwrapped), trainer.compute_loss_context_manager():
             return float(trainer.compute_loss(unwrapped, dict(inputs),
                                               num_items_in_batch=count))
 
+    try:
+        if not probe:
+            return assumed
+        return _read_unit(loss, trainer, items, plan, piece, known, by_tokens)
+    finally:
+        while len(made) < calls:  # as many calls as the rank that reads most (DDP)
+            loss(0, 1)
+
+
+def _read_unit(loss: Callable[..., float], trainer: Any, items: Any, plan: Any,
+               piece: Callable[[int, int], Any], known: Optional[str],
+               by_tokens: Callable[[Any], Any]) -> str:
+    """The body of :func:`_loss_unit`: the reading, logged."""
+    name = type(trainer).__name__
+    assumed = "items" if items is not None else "tokens"
     try:
         if items is not None:
             divided = _divided_by_items(loss, items, int(plan.length or 0))
@@ -543,7 +620,7 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                         "(False: a mean of its own) to say", name)
                 return "items"
         unit = read_mean(loss, lambda i, j: float(by_tokens(piece(i, j))),
-                         int(plan.length or 0))
+                         int(plan.length or 0), known)
     except Exception as error:  # noqa: BLE001 - the step itself runs next and raises its own
         # the probe failed (out of memory, a model that cannot run one sample in eval mode,
         # a BatchNorm without running statistics): the Trainer's assumption stands
@@ -554,17 +631,21 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                     "not -100")
         return assumed
     ignores = " ignores num_items_in_batch and" if items is not None else ""
-    if unit == "either":  # every sample as many tokens: this batch is weighted alike
+    if unit in ("either", SAMPLES_OR_LABELLED):  # this batch is weighted alike either way
         return unit
-    if unit in ("tokens", "samples"):
+    if unit in ("tokens", "samples", "labelled"):
         log.info("auto_microbatch(trainer): %s's loss%s is a mean over %s: a split step "
-                 "weights its slices by their %s", name, ignores, unit,
-                 "labels that are not -100" if unit == "tokens" else "samples")
+                 "weights its slices by their %s", name, ignores,
+                 "the samples with any label" if unit == "labelled" else unit,
+                 {"tokens": "labels that are not -100", "samples": "samples",
+                  "labelled": "samples with any label that is not -100"}[unit])
         return unit
     if unit is None:
         log.warning("auto_microbatch(trainer): could not tell whether %s's loss%s is a mean "
-                    "over tokens or over samples; a split step weights its slices by their "
-                    "labels that are not -100. Pass weight= to say", name, ignores)
+                    "over tokens, over all samples or over the samples with any label that is "
+                    "not -100 (this batch weights its slices differently by each); a split "
+                    "step weights its slices by their labels that are not -100. Pass weight= "
+                    "(the count the loss averages over) to say", name, ignores)
     return "tokens"
 
 
@@ -752,8 +833,11 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     twice it. Otherwise each slice's loss is weighted by ``weight``; by default by what the
     loss's own mean is over, read at the same first split (or the next whose samples do not
     all count as many labels) from the gradient-free losses of four samples alone and
-    together, from the first two whose counts differ: its labels that are not -100
-    (shifted as the Trainer counts them) or its samples. With
+    together, from the first that hold what the batch holds (samples of different counts, a
+    sample without labels): its labels that are not -100 (shifted as the Trainer counts
+    them), its samples, or its samples with any label (a mean of per-sample means over the
+    samples that have labels). Under DDP every rank makes as many of these gradient-free
+    ``compute_loss`` calls, for a ``compute_loss`` with a collective of its own. With
     ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
     (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
     every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
