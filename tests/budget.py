@@ -10,8 +10,9 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import textwrap
+
+import warm
 
 PRELUDE = """
 import json, os, resource, sys, gc
@@ -60,9 +61,7 @@ def run_ranks(code: str, world: int = 3, timeout: float = 240) -> list[dict]:
     rank has a deadline and is killed past it."""
     env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), TF_CPP_MIN_LOG_LEVEL="3")
-    procs = [subprocess.Popen([sys.executable, "-c", script(code)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(env, RANK=str(rank))) for rank in range(world)]
+    procs = [warm.popen(script(code), dict(env, RANK=str(rank))) for rank in range(world)]
     outputs = []
     try:
         for proc in procs:
@@ -87,12 +86,11 @@ def ranks_left_waiting(code: str, world: int = 2, ready: str = "ready", grace: f
 
     env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world), TF_CPP_MIN_LOG_LEVEL="3")
-    procs = [subprocess.Popen([sys.executable, "-c", script(code)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              env=dict(env, RANK=str(rank))) for rank in range(world)]
+    procs = [warm.popen(script(code), dict(env, RANK=str(rank)), stderr=False)
+             for rank in range(world)]
     arrived = [threading.Event() for _ in procs]
 
-    def watch(proc: subprocess.Popen, event: threading.Event) -> None:
+    def watch(proc: warm.Process | subprocess.Popen, event: threading.Event) -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.strip() == ready:
                 event.set()

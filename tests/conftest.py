@@ -7,17 +7,16 @@ import inspect
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+import warm
 
 MiB = 1 << 20
 
 # programs that torchrun starts, not tests: --doctest-modules would import them (and the
 # frameworks they import) at collection
-collect_ignore = ["torchrun_scripts"]
+collect_ignore = ["torchrun_scripts", "typed_usage.py"]
 
 
 def _has_gpu() -> bool:
@@ -68,11 +67,11 @@ def _framework_rank(item: pytest.Item) -> int:
 
 
 def run_python(code: str, timeout: float = 120, env: dict[str, str] | None = None) -> dict:
-    """Run ``code`` in a new interpreter; it prints one JSON object as its last line."""
+    """Run ``code`` in a fresh interpreter (see ``warm``); it prints one JSON object as its
+    last line."""
     full_env = dict(os.environ, **(env or {}))
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    proc = warm.run(textwrap.dedent(code), full_env, timeout)
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

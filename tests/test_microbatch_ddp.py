@@ -245,7 +245,11 @@ def batch(step, rank):
 """
 
 AVERAGING = AVERAGING_MODEL + """
-import logging, resource
+import ctypes, logging, resource
+# M_MMAP_THRESHOLD fixed at 1 MiB: the 4 MiB bucket is always a new mapping, never a free heap
+# chunk that needs no address space (which chunks are free depends on what ran before, MKL's
+# own cache among it: MKL_DISABLE_FAST_MM, set under pytest, left one that fitted it)
+ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
 import torch.distributed as dist
 import torch.nn.functional as F
 import memguard
