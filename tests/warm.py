@@ -1,14 +1,12 @@
-"""Fresh interpreters that start with torch (or TensorFlow) imported: forking servers per test
-process.
+"""Fresh interpreters that start with torch imported: a forking server per test process.
 
 A snippet that imports torch before it names memguard pays 1-3 s in a new interpreter for
-that import alone (TensorFlow 5-7 s), and 0.3-0.5 s more to tear its modules down. Here a
-server imports the framework the snippet imports first, once, and forks a child per snippet;
-the child takes the snippet's environment, working folder and standard streams and runs it
-as ``python -c`` would, in a new ``__main__``, then leaves as the interpreter would less the
-teardown. What the child shares with the server is only what a snippet cannot tell apart:
-the framework imported and nothing run with it, and the variables read when an interpreter
-or a framework starts (``MALLOC_*``, ``OMP_*``, ``TF_*``, ...: a server per set of them).
+that import alone, and 0.3-0.5 s more to tear its modules down. Here a server imports torch
+once and forks a child per snippet; the child takes the snippet's environment, working folder
+and standard streams and runs it as ``python -c`` would, in a new ``__main__``, then leaves as
+the interpreter would less the teardown. What the child shares with the server is only what a
+snippet cannot tell apart: torch imported and nothing run with it, and the variables read
+when an interpreter or torch starts (``MALLOC_*``, ``OMP_*``, ...: a server per set of them).
 Any other snippet runs in a new interpreter.
 """
 
@@ -32,8 +30,7 @@ STARTUP = re.compile(r"^(MALLOC_|GLIBC_|LD_|PYTHON|OMP_|KMP_|MKL_|OPENBLAS_|GOTO
 
 SERVER = r"""
 import json, os, select, signal, socket, sys
-import importlib
-importlib.import_module(sys.argv[1])  # the import every child would pay
+import torch  # the import every child would pay
 
 control = socket.socket(fileno=os.dup(0))
 null = os.open(os.devnull, os.O_RDWR)
@@ -130,16 +127,12 @@ os._exit(code & 0xFF)
 """
 
 
-FRAMEWORKS = ("torch", "tensorflow")
-
-
-def eligible(code: str) -> Optional[str]:
-    """The framework ``code`` imports first, where it does so before it names memguard (which
-    reads, at import, whether torch came first); else None."""
+def eligible(code: str) -> bool:
+    """Whether ``code`` imports torch before it names memguard (which reads, at import,
+    whether torch came first)."""
+    at = code.find("import torch")
     named = code.find("memguard")
-    found = [(at, name) for name in FRAMEWORKS
-             if (at := code.find(f"import {name}")) >= 0 and (named < 0 or at < named)]
-    return min(found)[1] if found else None
+    return at >= 0 and (named < 0 or at < named)
 
 
 class Process:
@@ -192,9 +185,9 @@ class Process:
 class Server:
     """One forking server, started with ``env``; it runs any number of children at once."""
 
-    def __init__(self, framework: str, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, framework], stdin=theirs,
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=theirs,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=env)
         theirs.close()
@@ -275,15 +268,14 @@ def popen(code: str, env: dict[str, str], stdout: bool = True,
           stderr: bool = True) -> Union[Process, subprocess.Popen]:
     """``code`` started as ``python -c`` with ``env`` would be (text streams: pipes where
     asked, else /dev/null), forked from a server when :func:`eligible`."""
-    framework = eligible(code)
-    if framework is not None and os.getpid() == _owner:
-        key = (framework, *sorted((k, v) for k, v in env.items() if STARTUP.match(k)))
+    if eligible(code) and os.getpid() == _owner:
+        key = tuple(sorted((k, v) for k, v in env.items() if STARTUP.match(k)))
         with _guard:
             server = _servers.get(key)
             if server is None or server.proc.poll() is not None:
-                if len(_servers) >= 6:  # the oldest goes
+                if len(_servers) >= 4:  # the oldest goes
                     _servers.pop(next(iter(_servers))).close()
-                server = _servers[key] = Server(framework, env)
+                server = _servers[key] = Server(env)
         return server.start(code, env, stdout, stderr)
     pipe = subprocess.PIPE
     return subprocess.Popen([sys.executable, "-c", code], text=True, env=env,
