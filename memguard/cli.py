@@ -46,6 +46,15 @@ _positive_size = _argument(lambda text: parse_size(text, "the size"), positive_i
                            hint="; for example 768MiB")
 
 
+def _demo_budget(text: str) -> int:
+    from .demo import check_budget
+
+    try:
+        return check_budget(_positive_size(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _plot_path(text: str) -> str:
     """An argparse ``type`` for ``demo --plot``: a place the PNG can be written, checked
     before the training's seconds rather than after them (empty: no timeline)."""
@@ -84,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
                                       "budget, starting at a batch size that does not fit: "
                                       "oom_retry finds one that does, memory_scope and "
                                       "MemoryMonitor watch the training.")
-    demo.add_argument("--budget", type=_positive_size, default=parse_size("768MiB"),
+    demo.add_argument("--budget", type=_demo_budget, default=parse_size("768MiB"),
                       metavar="SIZE", help="memory the training may use (default 768MiB)")
     demo.add_argument("--framework", choices=("torch", "tensorflow"), default="torch")
     demo.add_argument("--plot", type=_plot_path, default="memguard-demo.png", metavar="PATH",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -173,6 +174,7 @@ class MemoryLimit:
             raise RuntimeError("this memory_limit is already active; use a new "
                                "memory_limit(...) for each block open at the same time")
         if self.device == "host":
+            _import_what_guards_import()
             self._restore = ("host", limit_address_space(self.limit))
         else:  # pragma: gpu
             index = int(self.device.partition(":")[2])
@@ -260,6 +262,29 @@ def _checked_device(device: Any) -> str:
     return f"cuda:{int(index)}"  # pragma: gpu
 
 
+# What memguard's guards import on first use. Under a tight address-space limit an import
+# can fail in ways that hide the out-of-memory (a shared object that cannot be mapped is an
+# ImportError; the compiler short of memory raised "field 'target' is required for
+# AnnAssign"), so a host limit imports them before it opens.
+_GUARDS = ("memguard.cleanup", "memguard.errors", "memguard.loop", "memguard.retry",
+           "memguard.scope", "memguard.snapshot", "memguard.tensors", "memguard.batching",
+           "memguard.backends.budget")
+_FRAMEWORK_PARTS = {"torch": ("memguard.backends.torch", "memguard.backends.torch_autograd"),
+                    "tensorflow": ("memguard.backends.tensorflow",)}
+
+
+def _import_what_guards_import() -> None:
+    import importlib
+
+    names = list(_GUARDS)
+    for framework, parts in _FRAMEWORK_PARTS.items():
+        if framework in sys.modules:
+            names += parts
+    for name in names:
+        if name not in sys.modules:
+            importlib.import_module(name)
+
+
 def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     """Rehearse a smaller device: inside the block, ``device`` has only ``limit`` bytes.
 
@@ -269,6 +294,9 @@ def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
       plus ``limit``, restored on exit. It counts address space, not resident memory, for
       the whole process (every thread), and works where the kernel enforces it (Linux).
+      Memory freed before the block but still mapped (glibc keeps freed heap) would be
+      reused without new address space: the heap is trimmed on entry and what the entering
+      thread's malloc still holds free is kept out of reach until the block closes.
     - Limits compose: while several blocks are open, nested or in different threads or
       asyncio tasks, the tightest is in force (an inner ``memory_limit`` larger than the
       outer one leaves the outer one in force); when one closes, the tightest of those

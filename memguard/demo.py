@@ -32,6 +32,9 @@ FEATURES, HIDDEN, CLASSES = 128, 2048, 10
 SAMPLES = 32768
 START_BATCH = SAMPLES  # the whole data set in one batch: too big for the default budget
 CREEP_TOLERANCE = 64 << 20
+# Below this the demo's own kernels cannot get the scratch memory they need: measured, 4 MiB
+# ends with a clear "too small" at batch 256, 1 KiB now and then crashed inside torch (SIGSEGV)
+SMALLEST_BUDGET = 4 << 20
 # Errors that, under a tight budget, are a failed allocation in disguise: oneDNN (torch's CPU
 # kernels) reports scratch memory it could not get as a primitive it could not create.
 DISGUISED_OOM = ("could not create a primitive",)
@@ -125,6 +128,10 @@ class _TensorFlow:
         return float(loss)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    return is_oom_error(exc) or any(text in str(exc) for text in DISGUISED_OOM)
+
+
 def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optional[str]:
     """What the demo says when ``exc`` is a failed allocation in disguise (see
     ``DISGUISED_OOM``) at ``batch_size`` under ``budget`` bytes; None for any other error.
@@ -136,10 +143,19 @@ def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optiona
     """
     if not any(text in str(exc) for text in DISGUISED_OOM):
         return None
-    larger = max(2 * budget, 256 << 20) >> 20
     return (f"gave up at batch_size={batch_size}: {exc} (oneDNN, torch's CPU kernels, most "
-            f"likely could not get scratch memory): a {format_bytes(budget)} budget is too "
-            f"small for this demo; try --budget {larger}MiB or more (the default is 768MiB)")
+            f"likely could not get scratch memory): {too_small(budget)}")
+
+
+def too_small(budget: int) -> str:
+    """What the demo suggests when ``budget`` bytes cannot train even its smallest batch.
+
+    >>> too_small(32 << 20)[:60]
+    'a 32.0 MiB budget is too small for this demo; try --budget 2'
+    """
+    larger = max(2 * budget, 256 << 20) >> 20
+    return (f"a {format_bytes(budget)} budget is too small for this demo; try --budget "
+            f"{larger}MiB or more (the default is 768MiB)")
 
 
 def retry_line(attempt: Attempt) -> str:
@@ -168,6 +184,28 @@ class DemoRun:
     monitor: MemoryMonitor
     marks: list[tuple[float, str]]
     lines: dict[str, list[tuple[int, str]]]
+
+
+def check_budget(budget: int) -> int:
+    """``budget`` if the demo can run under it, else a ``ValueError`` that says why.
+
+    Args:
+        budget: bytes of memory the training may use.
+
+    Returns:
+        ``budget``.
+
+    >>> check_budget(1024)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: 1.0 KiB is too small for this demo: under 4.0 MiB torch's own kernels ...
+    """
+    if budget < SMALLEST_BUDGET:
+        raise ValueError(f"{format_bytes(budget)} is too small for this demo: under "
+                         f"{format_bytes(SMALLEST_BUDGET)} torch's own kernels cannot get "
+                         f"their scratch memory (a crash, not an out-of-memory, at times); the "
+                         f"default is 768MiB")
+    return budget
 
 
 def check_plot_path(path: str) -> str:
@@ -235,6 +273,7 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
     >>> result.ok, result.batch_size  # doctest: +SKIP
     (True, 16384)
     """
+    check_budget(budget)
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
         f"{SAMPLES} samples, starting at batch_size={START_BATCH} (too big on purpose)")
@@ -245,27 +284,35 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
     flavour.step(0, 64)  # warm up: kernels, thread pools and their arenas exist from here on
     scopes: list[MemoryScope] = []
     epoch_number, attempted = [0], [START_BATCH]
+    tries: list[list[Any]] = []  # [epoch, batch size, outcome] for every attempt, in order
     monitor = MemoryMonitor(interval=0.05)
 
     @oom_retry(batch_size=START_BATCH, on_retry=lambda attempt: say(retry_line(attempt)))
     def train_epoch(batch_size: int) -> float:
         epoch, attempted[0] = epoch_number[0], batch_size
+        tries.append([epoch, batch_size, "failed"])
         batches = math.ceil(SAMPLES / batch_size)
         loss = float("nan")
-        with memory_scope(f"epoch {epoch}, batch {batch_size}", track_tensors=True) as scope:
-            try:
-                for index in range(batches):
-                    loss = flavour.step(index * batch_size,
-                                        min(SAMPLES, (index + 1) * batch_size))
-                    _progress(epoch, epochs, index + 1, batches, loss)
-            except Exception as exc:
-                # Marked where it happens, inside the epoch: oom_retry's own mark comes
-                # after the scope's exit.
-                if is_oom_error(exc) or any(text in str(exc) for text in DISGUISED_OOM):
-                    asked = requested_bytes(exc)
-                    monitor.mark(f"out of memory: batch {batch_size}" + (
-                        f" asked {format_bytes(asked)}" if asked is not None else ""))
-                raise
+        try:
+            with memory_scope(f"epoch {epoch}, batch {batch_size}", track_tensors=True) as scope:
+                try:
+                    for index in range(batches):
+                        loss = flavour.step(index * batch_size,
+                                            min(SAMPLES, (index + 1) * batch_size))
+                        _progress(epoch, epochs, index + 1, batches, loss)
+                except Exception as exc:
+                    # Marked where it happens, inside the epoch: oom_retry's own mark comes
+                    # after the scope's exit.
+                    if _out_of_memory(exc):
+                        asked = requested_bytes(exc)
+                        monitor.mark(f"out of memory: batch {batch_size}" + (
+                            f" asked {format_bytes(asked)}" if asked is not None else ""))
+                    raise
+        except Exception as exc:  # the scope's own entry or exit may run out of memory too
+            if _out_of_memory(exc):
+                tries[-1][2] = OOM_MARK
+            raise
+        tries[-1][2] = "fits"
         scopes.append(scope)
         return loss
 
@@ -277,6 +324,8 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
                 train_epoch()
             except MemoryError as exc:
                 say(f"  gave up: {exc}")
+                if attempted[0] == 1:
+                    say("  " + too_small(budget))
                 ok = False
                 break
             except RuntimeError as exc:
@@ -286,7 +335,7 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
                 say("  " + reason)
                 ok = False
                 break
-    _summary(say, scopes, monitor, train_epoch.batch_size)
+    _summary(say, scopes, monitor, tries)
     # The first epoch may keep one-time state (optimizer slots, kernel caches): creep is
     # judged from the end of the first epoch to the end of the last; leaked tensors in every
     # epoch.
@@ -377,13 +426,36 @@ def _creep(scopes: list[MemoryScope]) -> dict[str, int]:
     return grown
 
 
+def tried_lines(tries: list[list[Any]]) -> list[str]:
+    """The summary's account of every attempt: one line per epoch (epochs that tried the same
+    sizes with the same outcomes share one), sizes in the order tried, each run of one outcome
+    named once, as in ``epoch 2: 64 out of memory; 32 fits``."""
+    epochs: dict[int, list[tuple[int, str]]] = {}
+    for epoch, size, outcome in tries:
+        epochs.setdefault(epoch, []).append((size, outcome))
+    lines: list[tuple[list[int], str]] = []
+    for epoch, attempts in epochs.items():
+        runs: list[tuple[list[int], str]] = []
+        for size, outcome in attempts:
+            if runs and runs[-1][1] == outcome:
+                runs[-1][0].append(size)
+            else:
+                runs.append(([size], outcome))
+        text = "; ".join(", ".join(map(str, sizes)) + " " + outcome for sizes, outcome in runs)
+        if lines and lines[-1][1] == text and lines[-1][0][-1] == epoch - 1:
+            lines[-1][0].append(epoch)
+        else:
+            lines.append(([epoch], text))
+    return [(f"  epoch {numbers[0]}: " if len(numbers) == 1 else
+             f"  epochs {numbers[0]}-{numbers[-1]}: ") + text for numbers, text in lines]
+
+
 def _summary(say: Callable[..., None], scopes: list[MemoryScope], monitor: MemoryMonitor,
-             final: Any) -> None:
+             tries: list[list[Any]]) -> None:
     say()
-    events = [label for _, label in monitor.marks if label.startswith("OOM")]
-    tried = [label.split("=")[1] for label in events]
-    say("batch sizes tried: " + ", ".join(tried + [f"{final} (fits)" if final is not None
-                                                   else "none fits"]))
+    say("batch sizes tried:")
+    for line in tried_lines(tries):
+        say(line)
     rows = [("epoch", "peak", "retained", "leaked tensors")]
     for scope in scopes:
         peak = ", ".join(f"{d} {format_bytes(v)}" for d, v in scope.peak.items())

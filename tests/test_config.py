@@ -62,6 +62,38 @@ def test_memory_limit_gives_a_real_oom_and_restores(tmp_path):
     assert torch.ones(GiB // 4).numel() == GiB // 4
 
 
+def test_memory_limit_after_a_freed_heap_gives_the_smaller_device(python_in_subprocess):
+    # before: 1,784 MiB allocated under a 256 MiB limit, out of the 1.6 GiB freed just before
+    out = python_in_subprocess("""
+        import json, torch, memguard
+        from memguard.backends.host import malloc_free
+        keep = [torch.ones(2**14) for _ in range(12800)]  # 64 KiB each, 800 MiB in the heap
+        del keep
+        freed = malloc_free()
+        from memguard.backends import host
+        from memguard.backends.budget import budget
+        outside = host.malloc_in_use()
+        got = []
+        with memguard.memory_limit("128MiB", device="host"):
+            available, inside = budget("host").available, host.malloc_in_use()
+            try:
+                while True:
+                    got.append(torch.ones(2**18))  # 1 MiB
+            except RuntimeError:
+                pass
+        allocated = len(got)
+        got.clear()
+        again = [torch.ones(2**18) for _ in range(400)]  # what the block held back is back
+        print(json.dumps({"freed": freed >> 20, "allocated": allocated, "after": len(again),
+                          "available": available >> 20, "taken": (inside - outside) >> 20}))
+    """)
+    assert out["freed"] >= 700, out  # the heap held the freed tensors
+    assert out["available"] <= 136, out  # what memguard's sizing reads: the smaller device
+    assert abs(out["taken"]) <= 8, out  # the blocks kept out of reach are not the program's
+    assert 16 <= out["allocated"] <= 128, out
+    assert out["after"] == 400
+
+
 def test_memory_limit_restores_when_the_body_raises():
     before = resource.getrlimit(resource.RLIMIT_AS)
     with pytest.raises(KeyError):
