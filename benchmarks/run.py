@@ -23,6 +23,7 @@ from benchmarks import (
     integrations,
     lightning_microbatch,
     microbatch,
+    mixed,
     oom,
     recompute,
     restore,
@@ -31,7 +32,8 @@ from benchmarks.common import ROOT, Result
 
 ALL = (guards.BENCHMARKS + oom.BENCHMARKS + microbatch.BENCHMARKS + batching.BENCHMARKS
        + census.BENCHMARKS + integrations.BENCHMARKS + restore.BENCHMARKS
-       + hf_trainer.BENCHMARKS + lightning_microbatch.BENCHMARKS + recompute.BENCHMARKS)
+       + hf_trainer.BENCHMARKS + lightning_microbatch.BENCHMARKS + mixed.BENCHMARKS
+       + recompute.BENCHMARKS)
 
 
 def machine() -> dict:

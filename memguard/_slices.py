@@ -346,3 +346,28 @@ def plan_batch(batch: Any, last: Optional[Plan] = None) -> Plan:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def batch_elements(batch: Any, depth: int = 0) -> int:
+    """The elements of the array-likes in ``batch`` (tensors, arrays; inside tuples, lists,
+    mappings and dataclass instances): what the batch costs in memory, roughly, where a
+    padded sequence is as long as its padding.
+
+    >>> batch_elements({"x": [[1, 2], [3, 4]], "ids": ["a", "b"], "lr": 0.1})
+    0
+    """
+    numel = getattr(batch, "numel", None)
+    if callable(numel) and hasattr(batch, "shape"):  # a tensor
+        return int(numel())
+    if hasattr(batch, "shape") and isinstance(getattr(batch, "size", None), int):  # an array
+        return int(batch.size)
+    if depth > 8 or isinstance(batch, (str, bytes)):
+        return 0
+    if isinstance(batch, Mapping):
+        return sum(batch_elements(value, depth + 1) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_elements(value, depth + 1) for value in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return sum(batch_elements(getattr(batch, field.name), depth + 1)
+                   for field in dataclasses.fields(batch))
+    return 0

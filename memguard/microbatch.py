@@ -60,7 +60,7 @@ from typing import (
 from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
-from ._slices import Plan, plan_batch
+from ._slices import Plan, batch_elements, plan_batch
 from .backends import (
     torch_distributed,
     torch_fsdp,
@@ -142,7 +142,8 @@ class _Config:
     def __init__(self, func: Callable[..., Any], model: Any, policy: Policy, reduction: str,
                  grow_every: Optional[int], scaler: Any, sharded: bool,
                  weight: Optional[Callable[[Any], Any]] = None,
-                 recompute: bool = True) -> None:
+                 recompute: bool = True,
+                 cost: Optional[Callable[[Any], Any]] = None) -> None:
         self.name = name_of(func)
         self.called = f"{self.name}()"
         target = getattr(func, "__func__", func)
@@ -154,6 +155,7 @@ class _Config:
         self.policy = policy
         self.reduction = reduction
         self.weight = weight
+        self.cost = cost
         self.recompute = recompute
         self.grow_every = grow_every
         self.scaler = scaler
@@ -213,6 +215,9 @@ class _State(GuardState):
 
     def forget(self) -> None:
         self.microbatch_size: Optional[int] = None
+        # what a slice of microbatch_size cost (see _cost) where it fitted: the unit a later
+        # batch is cut in, whatever its samples cost
+        self.slice_cost: Optional[float] = None
         self.clean_steps = 0
 
     def reset(self, microbatch_size: Optional[int] = None) -> None:
@@ -223,6 +228,7 @@ class _State(GuardState):
         super().reset()
         with self.lock:
             self.microbatch_size = microbatch_size
+            self.slice_cost = None
 
 
 _MODELS_LOCK = ForkSafeLock()
@@ -263,8 +269,8 @@ class _Step(Loop):
     def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
         self._prepare(cfg, state, batch, plan)
         n = self.samples
+        remembered = _planned(cfg, state, batch, n)
         with state.lock:
-            remembered = state.microbatch_size
             grow = (cfg.grow_every is not None and remembered is not None and remembered < n
                     and state.clean_steps >= cfg.grow_every)
         size = remembered if remembered is not None and remembered < n else n
@@ -286,6 +292,7 @@ class _Step(Loop):
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
+        self.per_sample: Optional[float] = None  # the batch's cost per sample, once read
         self.fallback = None
         self.recomputing = False  # this batch's passes recompute activations (torch_recompute)
         if found is None:
@@ -741,6 +748,10 @@ class _Step(Loop):
         with self.state.lock:
             if grew or (failed and self.size < self.samples):
                 self.state.microbatch_size = self.size
+                if self.per_sample is None:
+                    self.per_sample = _per_sample(self.cfg, self.batch, self.samples)
+                self.state.slice_cost = (None if self.per_sample is None
+                                         else self.size * self.per_sample)
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
 
 
@@ -844,17 +855,60 @@ def _check_replicas(cfg: _Config, state: _State) -> None:
                 f"checkpoint")
 
 
-def _whole_fits(cfg: _Config, state: _State, plan: Plan) -> bool:
+def _whole_fits(cfg: _Config, state: _State, batch: Any, plan: Plan) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
-    with other ranks, not inside another guard's attempt, and no smaller size remembered."""
+    with other ranks, not inside another guard's attempt, and the batch planned whole
+    (nothing remembered, or a slice that fitted costing as much as the whole batch)."""
     if not cfg.alone or running():  # nested in another guard's attempt
         return False
     if cfg.policy.sync is not False:
         world = torch_distributed.world()
         if world is not None and world[1] > 1:
             return False
-    remembered = state.microbatch_size
-    return remembered is None or remembered >= (plan.length or 0)
+    if state.microbatch_size is None:
+        return True
+    n = plan.length or 0
+    planned = _planned(cfg, state, batch, n)
+    return planned is None or planned >= n
+
+
+def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
+    """What one sample of ``batch`` costs: ``cost(batch)`` (the elements of its tensors by
+    default) over its ``n`` samples; ``None`` where the batch has nothing to count."""
+    if cfg.cost is None:
+        total = float(batch_elements(batch))
+    else:
+        value = cfg.cost(batch)
+        try:
+            total = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"auto_microbatch: cost({cfg.name}'s batch) must return a number, "
+                            f"got {value!r:.80}") from None
+        if not math.isfinite(total) or total < 0:
+            raise ValueError(f"auto_microbatch: cost({cfg.name}'s batch) must return a "
+                             f"finite number >= 0, got {value!r:.80}")
+    return total / n if total > 0 and n > 0 else None
+
+
+def _planned(cfg: _Config, state: _State, batch: Any, n: int) -> Optional[int]:
+    """The slice size to start a batch of ``n`` samples at: as many samples as the slice
+    cost that fitted holds at this batch's cost per sample (so a cheaper batch runs in fewer
+    slices, whole where it fits, and a dearer one in more, before it fails); the remembered
+    size where there is no cost to compare; ``None`` where nothing is remembered."""
+    with state.lock:
+        remembered, slice_cost = state.microbatch_size, state.slice_cost
+    if remembered is None or slice_cost is None:
+        return remembered
+    per_sample = _per_sample(cfg, batch, n)
+    if per_sample is None:
+        return remembered
+    # a cost is a rough measure (a batch's labels count beside its tokens): 15.99 slices'
+    # worth is 16, not a pass of 15 and another of 1
+    size = max(1, min(n, int(slice_cost / per_sample * 1.001 + 0.02)))
+    if size != remembered:
+        log.debug("%s: %d samples at %.4g each: slices of %d (%d fitted at %.4g each)",
+                  cfg.name, n, per_sample, size, remembered, slice_cost / remembered)
+    return size
 
 
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
@@ -863,7 +917,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                     reduction: Reduction = "mean",
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None,
-                    recompute: bool = True
+                    recompute: bool = True, cost: Optional[Callable[[Any], Any]] = None
                     ) -> Callable[[Callable[P, R_co]], MicrobatchedFunction[P, R_co]]:
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
@@ -883,8 +937,12 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     dataclass instance, nested; lists of strings or numbers are per-sample (a list of
     tensors of one shape is read as what the parts beside it say, and cutting one where
     nothing says is a ``ValueError``); scalars, ``None`` and other objects
-    go to every slice as they are. The size that fitted is kept for later calls; batches no
-    larger run whole.
+    go to every slice as they are. What a slice that fitted cost is kept for later calls, in
+    ``cost``'s unit (the elements of the batch's tensors by default): a later batch starts in
+    slices of as many samples as that cost holds at its own cost per sample, so a batch of
+    short sequences runs whole after one of long sequences was split, and a batch dearer
+    than any before is split before it runs out of memory. An out-of-memory still teaches:
+    the slices shrink from there and the cost that fitted is kept.
 
     What a failed pass leaves is undone: its gradients (also those of tensors outside ``model`` that
     backward writes into, looked for before every backward) and the moves of ``model``'s persistent
@@ -939,6 +997,11 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             most the batch), stepping back at once if it fails; ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward.
             Default ``None``: no scaling.
+        cost: a callable taking a batch and returning what it costs in memory, in any unit
+            that grows with it (a number >= 0: its tokens, ``lambda b: b["attention_mask"]
+            .sum()``, or pixels); slices are planned in it. ``None``: the elements of the
+            batch's tensors and arrays (padding counts: it takes memory too). Read only once
+            a batch has been split.
         recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
             batch once more with its activations recomputed in backward (the children of
             the model's ``ModuleList`` and ``Sequential`` containers under non-reentrant
@@ -981,6 +1044,9 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
                          f"{reduction!r}")
     optional_positive_int(grow_every, "grow_every", who="auto_microbatch")
+    if cost is not None and not callable(cost):
+        raise TypeError(f"auto_microbatch: cost must be a callable batch -> number, got "
+                        f"{cost!r:.80}")
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"auto_microbatch: scaler must be a torch.amp.GradScaler (or have "
                         f"its scale()), got {type(scaler).__name__}")
@@ -1001,7 +1067,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
         cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight,
-                      bool(recompute))
+                      bool(recompute), cost)
         state = _State()
         lock = _model_lock(model)
 
@@ -1016,7 +1082,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             with lock:  # one step at a time on a model: threads' gradients add up exactly
                 if cfg.ddp is not None:
                     _check_replicas(cfg, state)
-                if _whole_fits(cfg, state, plan):
+                if _whole_fits(cfg, state, batch, plan):
                     return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
                 return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
 

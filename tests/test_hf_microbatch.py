@@ -301,6 +301,8 @@ def test_a_step_that_fits_is_left_whole_and_bad_arguments_are_named(tmp_path):
         auto_microbatch(trainer, reduction="median")
     with pytest.raises(TypeError, match="unexpected keyword argument 'min_size'"):
         auto_microbatch(trainer, min_size=2)
+    with pytest.raises(TypeError, match="cost must be a callable"):  # passed on, checked
+        auto_microbatch(trainer, cost=1.0)
 
 
 def test_the_smallest_slice_failing_too_ends_train_with_the_error(tmp_path):

@@ -182,6 +182,8 @@ def test_manual_optimisation_and_bad_options_are_refused():
         MemguardCallback(factor=0.5)
     with pytest.raises(ValueError, match="factor"):
         MemguardCallback(microbatch=True, factor=2.0)
+    with pytest.raises(TypeError, match="cost must be a callable"):  # passed on, checked
+        MemguardCallback(microbatch=True, cost="tokens")
 
 
 def test_bf16_mixed_precision_split_matches_the_unsplit_bf16_run():

@@ -580,3 +580,77 @@ def test_weight_is_checked():
     step = memguard.auto_microbatch(model, weight=lambda b: 0)(lambda b: _token_loss(model, b))
     with pytest.raises(ValueError, match="weight of the whole batch is 0"):
         step(batch)
+
+
+class Tokens(torch.nn.Module):
+    """Per-token layers over batches of (samples, length, 8): out of memory, for real, once
+    a pass holds more than ``limit`` elements of input."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.outer = torch.nn.Linear(8, 1)
+        self.limit = limit
+
+    def forward(self, x):
+        if x.numel() > self.limit:
+            torch.empty(x.numel() << 42)
+        return self.outer(torch.tanh(self.inner(x))).mean(dim=(1, 2))
+
+
+def mixed_batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(16, length, 8, generator=g) for length in (64, 8, 64, 128, 8)]
+
+
+@pytest.mark.parametrize("cost", [None, lambda batch: batch.shape[0] * batch.shape[1]],
+                         ids=["elements", "tokens"])
+def test_slices_follow_each_batchs_cost_and_the_gradients_stay_exact(cost):
+    # A size counted in samples, learned on a long batch, cut every later batch alike: the
+    # short ones (1/8 of the cost) in 2, the longest (2x) failed first
+    torch.manual_seed(0)
+    model = Tokens(limit=16 * 32 * 8)
+    reference = copy.deepcopy(model)
+    reference.limit = 10**12
+
+    @memguard.auto_microbatch(model, cost=cost)
+    def loss_of(batch):
+        return model(batch).pow(2).mean()
+
+    passes = []
+    for batch in mixed_batches():
+        model.zero_grad()
+        reference.zero_grad()
+        loss = loss_of(batch)
+        passes.append([(a.size, a.ok, a.steps) for a in loss_of.history])
+        reference(batch).pow(2).mean().backward()
+        assert loss.item() == pytest.approx(reference(batch).pow(2).mean().item(), rel=1e-6)
+        assert_close(grads(model), grads(reference))
+    assert passes == [
+        [(16, False, 1), (8, True, 2)],  # 16 x 64 does not fit: 8 x 64 does
+        [(16, True, 1)],                 # 16 x 8 costs less than 8 x 64: whole
+        [(8, True, 2)],                  # as long as the first: where it fitted
+        [(4, True, 4)],                  # twice as long: split before it fails
+        [(16, True, 1)],
+    ]
+    assert loss_of.microbatch_size == 8  # learned where it failed, in samples of that cost
+
+
+def test_a_cost_that_is_not_a_number_is_refused_naming_it():
+    model = Tokens(limit=16 * 32 * 8)
+    with pytest.raises(TypeError, match="cost must be a callable"):
+        memguard.auto_microbatch(model, cost=3)
+    answers = iter([10.0, "many", -1.0])
+
+    @memguard.auto_microbatch(model, cost=lambda batch: next(answers))
+    def loss_of(batch):
+        return model(batch).pow(2).mean()
+
+    long = torch.randn(16, 64, 8)
+    loss_of(long)  # split: the cost is read once the slice fitted
+    before = grads(model)
+    with pytest.raises(TypeError, match=r"loss_of's batch\) must return a number, got 'ma"):
+        loss_of(long)
+    with pytest.raises(ValueError, match=r"must return a finite number >= 0, got -1.0"):
+        loss_of(long)
+    assert_close(grads(model), before, tol=0)  # refused before any pass

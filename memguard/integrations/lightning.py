@@ -63,7 +63,7 @@ log = logging.getLogger("memguard")
 MICROBATCH_KEY = "memory/microbatch_size"
 #: ``auto_microbatch``'s options that ``MemguardCallback(microbatch=True, ...)`` passes on.
 MICROBATCH_OPTIONS = ("min_batch_size", "factor", "max_attempts", "on_retry", "sync",
-                      "reduction", "weight", "grow_every", "recompute")
+                      "reduction", "weight", "grow_every", "recompute", "cost")
 
 
 class MemguardCallback(CallbackBase, _pl.Callback):
@@ -119,6 +119,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         recompute: with ``microbatch=True``, recompute activations when one slice of
             ``min_batch_size`` still runs out of memory. Default ``None``:
             :func:`memguard.auto_microbatch`'s (``True``).
+        cost: with ``microbatch=True``, a callable taking a batch and returning what it costs
+            in memory (its tokens, say): slices are planned in it. Default ``None``: the
+            elements of the batch's tensors.
 
     With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
     runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)
@@ -180,14 +183,15 @@ class MemguardCallback(CallbackBase, _pl.Callback):
                  sync: Optional[Sync] = None, reduction: Optional[Reduction] = None,
                  weight: Optional[Callable[[Any], Any]] = None,
                  grow_every: Optional[int] = None,
-                 recompute: Optional[bool] = None) -> None:
+                 recompute: Optional[bool] = None,
+                 cost: Optional[Callable[[Any], Any]] = None) -> None:
         super().__init__(max_leak, track_tensors, cleanup, log_every_n_steps)
         if not isinstance(microbatch, bool):
             raise TypeError(f"MemguardCallback: microbatch must be True or False, got "
                             f"{microbatch!r}")
         given = dict(min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
                      on_retry=on_retry, sync=sync, reduction=reduction, weight=weight,
-                     grow_every=grow_every, recompute=recompute)
+                     grow_every=grow_every, recompute=recompute, cost=cost)
         options: dict[str, Any] = {name: value for name, value in given.items()
                                    if value is not None}
         if options and not microbatch:

@@ -811,7 +811,8 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
                     reduction: Optional[Reduction] = None,
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None,
-                    recompute: bool = True) -> TrainerT:
+                    recompute: bool = True,
+                    cost: Optional[Callable[[Any], Any]] = None) -> TrainerT:
     """Make a Hugging Face ``Trainer`` redo a batch in slices when it runs out of memory in
     forward or backward, inside ``train()``: no restart, no lost step, ``state.global_step``
     as if nothing happened.
@@ -871,6 +872,9 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
         recompute: when one slice of ``min_batch_size`` still runs out of memory, redo the
             batch with the model's gradient checkpointing on, for that batch only;
             default ``True`` (``False``: give up there).
+        cost: a callable taking a batch (the Trainer's inputs) and returning what it costs
+            in memory (``lambda b: b["attention_mask"].sum()``): slices are planned in it;
+            default ``None``: the elements of the batch's tensors (padding counts).
 
     Returns:
         The same trainer (typed as the class given, a subclass included);
@@ -897,7 +901,7 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     options: dict[str, Any] = dict(
         min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
         on_retry=on_retry, sync=sync, weight=weight, grow_every=grow_every, scaler=scaler,
-        recompute=recompute)
+        recompute=recompute, cost=cost)
     if reduction is not None:  # else chosen at the first step (see above)
         options["reduction"] = reduction
     _auto_microbatch(trainer.model, **options)  # the options, checked now
