@@ -93,7 +93,7 @@ def test_available_memory_counts_what_malloc_holds_free_under_memory_limit(pytho
     assert out["held_used"] - out["after_used"] < 16 * MiB, out  # the 80 MiB run stays mapped...
     assert out["after"] - out["held"] > 72 * MiB, out  # ...yet is available again
     assert out["reusable"] > 72 * MiB and "free in the allocator" in out["text"], out
-    assert out["reused"] - out["after_used"] < 16 * MiB, out  # and mostly reused (of 64 MiB)
+    assert out["reused"] - out["after_used"] < 24 * MiB, out  # and mostly reused (of 64 MiB)
 
 
 # An attempt that holds 12 pieces of 1 MiB per sample, allocated one by one: every failure
