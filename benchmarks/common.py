@@ -79,3 +79,30 @@ def failing_passes(calls: list[tuple[int, int]], batch: int) -> int:
             index += 1
         extra += max(0, samples - batch)
     return extra
+
+
+TRAIN_UNDER_BUDGET = """
+if MODE != "reference":
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + BUDGET * 2**20, resource.RLIM_INFINITY))
+history, failed = [], None
+start = time.perf_counter()
+try:
+    for batch in batches:
+        if step is not None:
+            step(batch)
+            history.append([[a.size, a.ok, a.steps, a.recompute] for a in step.history])
+        else:
+            loss_of(batch).backward()
+        opt.step()
+        opt.zero_grad()
+except RuntimeError as exc:
+    failed = str(exc)[:200]
+seconds = time.perf_counter() - start
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+"""
+"""The timed part of a training run under a budget (benchmarks 12 and 13): ``MODE``,
+``BUDGET`` (MiB), ``vm_size``, ``batches``, ``step`` (the guarded step, or ``None`` for a
+plain backward of ``loss_of``), ``opt`` and ``model`` come before it; it leaves ``history``
+([size, ok, slices, recompute] per attempt, per batch), ``failed``, ``seconds`` and
+``weights``."""

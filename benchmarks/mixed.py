@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.common import Result, run_python
+from benchmarks.common import TRAIN_UNDER_BUDGET, Result, run_python
 
 WORKLOAD = """
 import json, math, random, resource, time
@@ -54,24 +54,7 @@ if MODE == "probe":  # the largest slice of each length that fits, tried from 16
 cost = (lambda ids: len(ids)) if MODE == "samples" else None  # one per sample: counted in samples
 step = (memguard.auto_microbatch(model, cost=cost)(loss_of)
         if MODE in ("samples", "cost") else None)
-if MODE != "reference":
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + BUDGET * 2**20, resource.RLIM_INFINITY))
-history, failed = [], None
-start = time.perf_counter()
-try:
-    for ids in batches:
-        if step is not None:
-            step(ids)
-            history.append([[a.size, a.ok, a.steps] for a in step.history])
-        else:
-            loss_of(ids).backward()
-        opt.step()
-        opt.zero_grad()
-except RuntimeError as exc:
-    failed = str(exc)[:200]
-seconds = time.perf_counter() - start
-resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+""" + TRAIN_UNDER_BUDGET + """
 print(json.dumps({{"seconds": seconds, "failed": failed, "history": history,
                   "weights": weights[::97].tolist(), "lengths": lengths}}))
 """

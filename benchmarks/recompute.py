@@ -3,7 +3,7 @@ gradient checkpointing."""
 
 from __future__ import annotations
 
-from benchmarks.common import Result, run_python
+from benchmarks.common import TRAIN_UNDER_BUDGET, Result, run_python
 
 WORKLOAD = """
 import json, resource, time
@@ -42,25 +42,9 @@ def loss_of(batch):
 loss_of((samples[0][0][:, :64], samples[0][1][:, :64])).backward()
 opt.zero_grad()
 memguard.free_memory()
-if MODE != "reference":
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + BUDGET * 2**20, resource.RLIM_INFINITY))
 step = memguard.auto_microbatch(model)(loss_of) if MODE == "memguard" else None
-history, failed = [], None
-start = time.perf_counter()
-try:
-    for batch in samples:
-        if step is not None:
-            step(batch)
-            history.append([[a.size, a.ok, a.recompute] for a in step.history])
-        else:
-            loss_of(batch).backward()
-        opt.step()
-        opt.zero_grad()
-except RuntimeError as exc:
-    failed = str(exc)[:200]
-seconds = time.perf_counter() - start
-resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+batches = samples
+""" + TRAIN_UNDER_BUDGET + """
 print(json.dumps({{"seconds": seconds, "failed": failed, "history": history,
                   "weights": weights.tolist()}}))
 """
@@ -96,7 +80,7 @@ def recompute(quick: bool) -> list[Result]:
                 and mine["failed"] is None and static["failed"] is None)
     shape = "" if scenario else "SCENARIO NOT REPRODUCED (budget); "
     note = (f"{shape}plain torch: {'out of memory' if plain['failed'] else 'fit'}; memguard "
-            f"attempts per step {mine['history']} (size, ok, recompute); reference "
+            f"attempts per step {mine['history']} (size, ok, slices, recompute); reference "
             f"{runs['reference']['seconds']:.2f} s")
     return [
         Result(f"13 one sample too long: wall time ({steps} steps)", mine["seconds"],

@@ -25,12 +25,12 @@ UNIT = 2 * 2**20 // 4
 class Hungry(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        scratch = torch.ones(x.shape[0] * UNIT)
+        scratch = torch.ones(x[..., 0].numel() * UNIT)  # per sample, or per token
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        scratch = torch.ones(grad.shape[0] * UNIT)
+        scratch = torch.ones(grad[..., 0].numel() * UNIT)
         return grad
 
 class Net(torch.nn.Module):
@@ -158,40 +158,15 @@ def test_factor_auto_measures_the_first_pass_that_ran_out(python_in_subprocess):
     assert out["diff"] < 1e-5, out
 
 
-MIXED = """
-import copy
-import torch
-import torch.nn.functional as F
-import memguard
-torch.set_num_threads(1)
-PER_TOKEN = 16 * 2**10 // 4  # 16 KiB of scratch per token, in forward and in backward
-
-class Hungry(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        scratch = torch.ones(x.shape[0] * x.shape[1] * PER_TOKEN)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scratch = torch.ones(grad.shape[0] * grad.shape[1] * PER_TOKEN)
-        return grad
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first = torch.nn.Linear(32, 64)
-        self.second = torch.nn.Linear(64, 1)
-
-    def forward(self, x):
-        return self.second(torch.relu(Hungry.apply(self.first(x)))).mean(dim=(1, 2))
-
+# the model above, its scratch 16 KiB a token: batches of (samples, length, 32)
+MIXED = TRAINING.split("def batch(")[0].replace("UNIT = 2 * 2**20 // 4",
+                                                "UNIT = 16 * 2**10 // 4") + """
 LENGTHS = [512, 64, 32, 512, 64, 512, 32, 64]  # batches of 16 sequences
 
 def batch(step):
     g = torch.Generator().manual_seed(step)
     return {"x": torch.randn(16, LENGTHS[step], 32, generator=g),
-            "y": torch.randn(16, generator=g)}
+            "y": torch.randn(16, LENGTHS[step], 1, generator=g)}
 
 def train(model, loss_of, record=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -212,7 +187,7 @@ memguard.free_memory()
 def loss_of(b):
     return F.mse_loss(model(b["x"]), b["y"])
 
-loss_of({"x": torch.randn(2, 8, 32), "y": torch.randn(2)})  # warm up (gradients dropped)
+loss_of({"x": torch.randn(2, 8, 32), "y": torch.randn(2, 8, 1)})  # warm up (gradients dropped)
 model.zero_grad()
 memguard.free_memory()
 set_budget(100)  # 16 x 512 tokens take 128 MiB of scratch; 8 x 512 and 16 x 64 fit
