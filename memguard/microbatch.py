@@ -749,7 +749,10 @@ class _Step(Loop):
             if grew or (failed and self.size < self.samples):
                 self.state.microbatch_size = self.size
                 if self.per_sample is None:
-                    self.per_sample = _per_sample(self.cfg, self.batch, self.samples)
+                    try:
+                        self.per_sample = _per_sample(self.cfg, self.batch, self.samples)
+                    except (TypeError, ValueError) as exc:  # the step is done: not lost
+                        log.warning("%s; later batches are cut in samples", exc)
                 self.state.slice_cost = (None if self.per_sample is None
                                          else self.size * self.per_sample)
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1

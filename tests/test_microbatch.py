@@ -654,3 +654,20 @@ def test_a_cost_that_is_not_a_number_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"must return a finite number >= 0, got -1.0"):
         loss_of(long)
     assert_close(grads(model), before, tol=0)  # refused before any pass
+
+
+def test_a_bad_cost_read_after_the_split_keeps_the_step_and_counts_in_samples(caplog):
+    # the cost is read once a split step has run: an error then lost the finished step
+    model = Tokens(limit=16 * 32 * 8)
+
+    @memguard.auto_microbatch(model, cost=lambda batch: float("nan"))
+    def loss_of(batch):
+        return model(batch).pow(2).mean()
+
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        loss = loss_of(torch.randn(16, 64, 8))
+    assert loss.isfinite() and model.inner.weight.grad is not None
+    assert "must return a finite number >= 0, got nan; later batches are cut in samples" \
+        in caplog.text
+    loss_of(torch.randn(16, 8, 8))  # cheaper, yet cut as the size in samples says
+    assert [(a.size, a.steps) for a in loss_of.history] == [(8, 2)]
