@@ -266,9 +266,8 @@ def _checked_device(device: Any) -> str:
 # can fail in ways that hide the out-of-memory (a shared object that cannot be mapped is an
 # ImportError; the compiler short of memory raised "field 'target' is required for
 # AnnAssign"), so a host limit imports them before it opens.
-_GUARDS = ("memguard.cleanup", "memguard.errors", "memguard.loop", "memguard.retry",
-           "memguard.scope", "memguard.snapshot", "memguard.tensors", "memguard.batching",
-           "memguard.backends.budget")
+_GUARDS = ("memguard.cleanup", "memguard.errors", "memguard.loop", "memguard.scope",
+           "memguard.snapshot", "memguard.tensors", "memguard.backends.budget")
 _FRAMEWORK_PARTS = {"torch": ("memguard.backends.torch", "memguard.backends.torch_autograd"),
                     "tensorflow": ("memguard.backends.tensorflow",)}
 

@@ -128,8 +128,12 @@ class _TensorFlow:
         return float(loss)
 
 
+def _disguised(exc: BaseException) -> bool:
+    return any(text in str(exc) for text in DISGUISED_OOM)
+
+
 def _out_of_memory(exc: BaseException) -> bool:
-    return is_oom_error(exc) or any(text in str(exc) for text in DISGUISED_OOM)
+    return is_oom_error(exc) or _disguised(exc)
 
 
 def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optional[str]:
@@ -141,7 +145,7 @@ def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optiona
     ...               "or more (the default is 768MiB)")
     True
     """
-    if not any(text in str(exc) for text in DISGUISED_OOM):
+    if not _disguised(exc):
         return None
     return (f"gave up at batch_size={batch_size}: {exc} (oneDNN, torch's CPU kernels, most "
             f"likely could not get scratch memory): {too_small(budget)}")

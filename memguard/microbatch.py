@@ -265,11 +265,14 @@ class _Step(Loop):
 
     unit: Unit = "microbatch"
     peers: Literal["redo", "wait"] = "wait"
+    per_sample: Any  # the batch's cost per sample (see _per_sample), or _UNREAD
 
-    def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan) -> None:
+    def __init__(self, cfg: _Config, state: _State, batch: Any, plan: Plan,
+                 planned: tuple[Optional[int], Any]) -> None:
+        """``planned``: what :func:`_planned` said of this batch."""
         self._prepare(cfg, state, batch, plan)
         n = self.samples
-        remembered = _planned(cfg, state, batch, n)
+        remembered, self.per_sample = planned
         with state.lock:
             grow = (cfg.grow_every is not None and remembered is not None and remembered < n
                     and state.clean_steps >= cfg.grow_every)
@@ -292,7 +295,7 @@ class _Step(Loop):
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
-        self.per_sample: Optional[float] = None  # the batch's cost per sample, once read
+        self.per_sample = _UNREAD
         self.fallback = None
         self.recomputing = False  # this batch's passes recompute activations (torch_recompute)
         if found is None:
@@ -748,11 +751,12 @@ class _Step(Loop):
         with self.state.lock:
             if grew or (failed and self.size < self.samples):
                 self.state.microbatch_size = self.size
-                if self.per_sample is None:
+                if self.per_sample is _UNREAD:
                     try:
                         self.per_sample = _per_sample(self.cfg, self.batch, self.samples)
                     except (TypeError, ValueError) as exc:  # the step is done: not lost
                         log.warning("%s; later batches are cut in samples", exc)
+                        self.per_sample = None
                 self.state.slice_cost = (None if self.per_sample is None
                                          else self.size * self.per_sample)
             self.state.clean_steps = 0 if failed or grew else self.state.clean_steps + 1
@@ -858,21 +862,21 @@ def _check_replicas(cfg: _Config, state: _State) -> None:
                 f"checkpoint")
 
 
-def _whole_fits(cfg: _Config, state: _State, batch: Any, plan: Plan) -> bool:
+def _whole_fits(cfg: _Config, plan: Plan, planned: Optional[int]) -> bool:
     """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
     with other ranks, not inside another guard's attempt, and the batch planned whole
-    (nothing remembered, or a slice that fitted costing as much as the whole batch)."""
+    (``planned``, :func:`_planned`'s size: nothing remembered, or a slice that fitted
+    costing as much as the whole batch)."""
     if not cfg.alone or running():  # nested in another guard's attempt
         return False
     if cfg.policy.sync is not False:
         world = torch_distributed.world()
         if world is not None and world[1] > 1:
             return False
-    if state.microbatch_size is None:
-        return True
-    n = plan.length or 0
-    planned = _planned(cfg, state, batch, n)
-    return planned is None or planned >= n
+    return planned is None or planned >= (plan.length or 0)
+
+
+_UNREAD: Any = object()  # a batch's cost per sample not read yet (None: nothing to count)
 
 
 def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
@@ -893,25 +897,26 @@ def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
     return total / n if total > 0 and n > 0 else None
 
 
-def _planned(cfg: _Config, state: _State, batch: Any, n: int) -> Optional[int]:
+def _planned(cfg: _Config, state: _State, batch: Any, n: int) -> tuple[Optional[int], Any]:
     """The slice size to start a batch of ``n`` samples at: as many samples as the slice
     cost that fitted holds at this batch's cost per sample (so a cheaper batch runs in fewer
     slices, whole where it fits, and a dearer one in more, before it fails); the remembered
-    size where there is no cost to compare; ``None`` where nothing is remembered."""
+    size where there is no cost to compare; ``None`` where nothing is remembered. With it,
+    the cost per sample read (``_UNREAD`` where it was not needed)."""
     with state.lock:
         remembered, slice_cost = state.microbatch_size, state.slice_cost
     if remembered is None or slice_cost is None:
-        return remembered
+        return remembered, _UNREAD
     per_sample = _per_sample(cfg, batch, n)
     if per_sample is None:
-        return remembered
+        return remembered, None
     # a cost is a rough measure (a batch's labels count beside its tokens): 15.99 slices'
     # worth is 16, not a pass of 15 and another of 1
     size = max(1, min(n, int(slice_cost / per_sample * 1.001 + 0.02)))
     if size != remembered:
         log.debug("%s: %d samples at %.4g each: slices of %d (%d fitted at %.4g each)",
                   cfg.name, n, per_sample, size, remembered, slice_cost / remembered)
-    return size
+    return size, per_sample
 
 
 def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5,
@@ -1085,9 +1090,10 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             with lock:  # one step at a time on a model: threads' gradients add up exactly
                 if cfg.ddp is not None:
                     _check_replicas(cfg, state)
-                if _whole_fits(cfg, state, batch, plan):
+                planned = _planned(cfg, state, batch, plan.length or 0)
+                if _whole_fits(cfg, plan, planned[0]):
                     return _Step.whole(cfg, state, batch, plan, wrapped, rest, kw)
-                return _Step(cfg, state, batch, plan).run(wrapped, rest, kw)
+                return _Step(cfg, state, batch, plan, planned).run(wrapped, rest, kw)
 
         return with_statistics(
             func, wrapper,
