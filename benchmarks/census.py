@@ -7,7 +7,7 @@ from benchmarks.common import Result, run_python
 CENSUS = """
 import gc, json, statistics, time
 import torch, memguard
-from memguard.tensors import live_tensors
+from memguard.census import live_tensors
 
 OBJECTS = [[i] for i in range({objects})]          # tracked Python objects
 TENSORS = [torch.ones(4) for _ in range({tensors})]
@@ -65,7 +65,8 @@ def census(quick: bool) -> list[Result]:
 HOLDERS = """
 import collections, gc, json, time
 import torch, memguard
-from memguard.tensors import find_holders, live_tensors
+from memguard.census import live_tensors
+from memguard.holders import find_holders
 
 TENSORS = [torch.ones(4) for _ in range({tensors})]   # the many small ones
 BIG = [torch.ones(1000 + i) for i in range(10)]                    # module global list

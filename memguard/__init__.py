@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from ._units import format_bytes, parse_size
 from .backends import DeviceMemory, activate, list_devices
+from .census import TensorInfo, live_tensors, memory_report
 from .cleanup import free_memory
 from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
 from .inference import InferenceMode, inference_mode
 from .scope import MemoryScope, frees_memory, memory_scope
 from .snapshot import MemorySnapshot, snapshot
-from .tensors import TensorInfo, live_tensors, memory_report
 
 if TYPE_CHECKING:
     from .backends.budget import Budget

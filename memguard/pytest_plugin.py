@@ -48,8 +48,8 @@ from ._units import format_bytes, parse_optional_size, parse_size
 from .backends import check_devices, level_field, resolve_devices
 from .cleanup import Readings, read_all
 from .errors import MemoryLeakError
+from .holders import describe_leaks
 from .scope import MemoryScope
-from .tensors import describe_leaks
 
 
 class Limits(NamedTuple):

@@ -20,10 +20,11 @@ from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
+from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
 from .errors import MemoryLeakError
+from .holders import describe_leaks
 from .snapshot import MemorySnapshot, snapshot
-from .tensors import TensorInfo, created_since, describe_leaks, live_tensors, tensor_ids
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])

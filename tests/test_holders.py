@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import memguard
-from memguard.tensors import find_holders
+from memguard.holders import find_holders
 
 MiB = 1 << 20
 REGISTRY: dict = {}
@@ -232,16 +232,16 @@ def test_holders_down_a_census_come_in_few_walks_and_name_each_tensor():
 
 
 def test_a_pass_over_every_object_finds_what_the_collectors_referrers_find(monkeypatch):
-    from memguard import tensors
+    from memguard import holders
 
     MANY.extend(torch.ones(5) for _ in range(100))  # longer than LARGE_CONTAINER: indexed
     REGISTRY[Detached()] = torch.ones(7, 3)
     QUEUE.append(torch.ones(7, 4))
     targets = [MANY[0], MANY[-1], REGISTRY[next(iter(REGISTRY))], QUEUE[0]]
     try:
-        by_referrers = tensors.find_holders_of(targets, seconds=20, max_paths=20)
-        monkeypatch.setattr(tensors, "REFERRER_PASS", 0)  # every level: one pass over all
-        by_pass = tensors.find_holders_of(targets, seconds=20, max_paths=20)
+        by_referrers = holders.find_holders_of(targets, seconds=20, max_paths=20)
+        monkeypatch.setattr(holders, "REFERRER_PASS", 0)  # every level: one pass over all
+        by_pass = holders.find_holders_of(targets, seconds=20, max_paths=20)
     finally:
         MANY.clear()
     assert by_pass == by_referrers

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import memguard
-from memguard.tensors import find_holders, memory_report
+from memguard.census import memory_report
+from memguard.holders import find_holders
 
 MiB = 1 << 20
 CACHE: list = []
