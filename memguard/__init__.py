@@ -27,13 +27,14 @@ from .snapshot import MemorySnapshot, snapshot
 
 if TYPE_CHECKING:
     from .backends.budget import Budget
-    from .batching import BatchResults, BatchSize, find_batch_size, map_batches
     from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_growth
     from .history import RecordHistory, record_history
     from .loop import Attempt, Attempts, attempts
+    from .mapping import BatchResults, map_batches
     from .microbatch import MicrobatchedFunction, auto_microbatch
     from .monitor import MemoryMonitor
     from .retry import RetryingFunction, oom_retry
+    from .search import BatchSize, find_batch_size
 
 __version__ = "0.1.0"
 
@@ -41,8 +42,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Budget": ".backends.budget",
     "Attempt": ".loop", "Attempts": ".loop", "attempts": ".loop",
-    "BatchResults": ".batching", "BatchSize": ".batching", "find_batch_size": ".batching",
-    "map_batches": ".batching",
+    "BatchResults": ".mapping", "map_batches": ".mapping",
+    "BatchSize": ".search", "find_batch_size": ".search",
     "MemoryLimit": ".config", "configure_allocator": ".config", "memory_limit": ".config",
     "tf_memory_growth": ".config",
     "RecordHistory": ".history", "record_history": ".history",

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import memguard
-from memguard.batching import BatchResults
+from memguard.mapping import BatchResults
 
 HUGE = 1 << 42  # float32 elements: 16 TiB, a real DefaultCPUAllocator failure
 

@@ -14,8 +14,8 @@ import torch
 
 import memguard
 from memguard.backends.budget import Budget, budgets
-from memguard.batching import BatchResults
 from memguard.loop import Attempt
+from memguard.mapping import BatchResults
 
 LEAKS: list = []
 
