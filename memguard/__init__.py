@@ -21,8 +21,9 @@ from .backends import DeviceMemory, activate, list_devices
 from .census import TensorInfo, live_tensors, memory_report
 from .cleanup import free_memory
 from .errors import MemguardError, MemoryLeakError, OutOfMemoryError, is_oom_error
+from .frees import frees_memory
 from .inference import InferenceMode, inference_mode
-from .scope import MemoryScope, frees_memory, memory_scope
+from .scope import MemoryScope, memory_scope
 from .snapshot import MemorySnapshot, snapshot
 
 if TYPE_CHECKING:

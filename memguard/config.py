@@ -267,7 +267,7 @@ def _checked_device(device: Any) -> str:
 # ImportError; the compiler short of memory raised "field 'target' is required for
 # AnnAssign"), so a host limit imports them before it opens.
 _GUARDS = ("memguard.cleanup", "memguard.errors", "memguard.loop", "memguard.scope",
-           "memguard.snapshot", "memguard.census", "memguard.holders",
+           "memguard.frees", "memguard.snapshot", "memguard.census", "memguard.holders",
            "memguard.backends.budget")
 _FRAMEWORK_PARTS = {"torch": ("memguard.backends.torch", "memguard.backends.torch_autograd"),
                     "tensorflow": ("memguard.backends.tensorflow",)}

@@ -1,4 +1,5 @@
-"""``memory_scope`` and ``frees_memory``: measure a block, clean up after it, report.
+"""``memory_scope``: measure a block (peaks, what it kept), clean up after it, report; and the
+leak verdicts and messages that ``frees_memory`` shares.
 
 Peaks of scopes that are open at the same time (nested, or in several threads) are kept by one
 book per process: before a scope resets a device's peak counter, the counter's value is folded
@@ -11,15 +12,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
-from ._checks import flag, positive_int
-from ._decorate import function_kind, guard, name_of
+from ._checks import flag
+from ._decorate import guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
-from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
+from .backends import Backend, Devices, Reading, check_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
 from .errors import MemoryLeakError
@@ -76,11 +76,11 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
 peak_book = _PeakBook()
 
 
-def _in_use(backend: Backend, reading: Optional[Reading]) -> Optional[int]:
+def in_use(backend: Backend, reading: Optional[Reading]) -> Optional[int]:
     return None if reading is None else backend.in_use(reading)
 
 
-def _growth(before: Optional[int], after: Optional[int]) -> Optional[int]:
+def growth(before: Optional[int], after: Optional[int]) -> Optional[int]:
     return None if before is None or after is None else after - before
 
 
@@ -88,8 +88,8 @@ def _reserved_words(device: str) -> str:
     return "resident set" if device == "host" else "reserved"
 
 
-def _leak_message(what: str, retained: dict[str, int], limit: int,
-                  reserved: Optional[dict[str, Optional[int]]] = None) -> str:
+def leak_message(what: str, retained: dict[str, int], limit: int,
+                 reserved: Optional[dict[str, Optional[int]]] = None) -> str:
     worst = []
     for device, n in retained.items():
         change = (reserved or {}).get(device)
@@ -119,13 +119,13 @@ def _tensor_bytes(leaks: list[TensorInfo]) -> dict[str, int]:
     return out
 
 
-def _census_needed(limit: Optional[int]) -> bool:
+def census_needed(limit: Optional[int]) -> bool:
     """Whether a verdict under ``limit`` may rest on the census (a limit below MIN_LEAK)."""
     return limit is not None and limit < MIN_LEAK
 
 
-def _beyond(kept: dict[str, int], limit: int,
-            created: Callable[[], list[TensorInfo]]) -> dict[str, int]:
+def beyond(kept: dict[str, int], limit: int,
+           created: Callable[[], list[TensorInfo]]) -> dict[str, int]:
     """The devices that kept more than ``limit``: on the allocators' figures where they
     can tell (the limit or the growth at least ``MIN_LEAK``), else on the bytes of the
     tensors ``created()`` lists (called only then)."""
@@ -142,8 +142,8 @@ def _beyond(kept: dict[str, int], limit: int,
     return over
 
 
-def _leak_error(message: str, over: dict[str, int], limit: int,
-                leaks: list[TensorInfo]) -> MemoryLeakError:
+def leak_error(message: str, over: dict[str, int], limit: int,
+               leaks: list[TensorInfo]) -> MemoryLeakError:
     error = MemoryLeakError(message, over, limit)
     error.leaks = leaks  # type: ignore[attr-defined]
     return error
@@ -214,7 +214,7 @@ class MemoryScope:
 
         self._pairs = resolve_devices(self.devices)
         self._active = True
-        self._census = self.track_tensors or _census_needed(self.max_leak)
+        self._census = self.track_tensors or census_needed(self.max_leak)
         if self._census:
             self._tensors_before = tensor_ids()
         self.before = snapshot([d for _, d in self._pairs])
@@ -242,14 +242,14 @@ class MemoryScope:
     def _judge(self, exc_type: Any) -> None:
         """Raise (or, when the block raised, log) the ``max_leak`` verdict."""
         if self.max_leak is not None:
-            over = _beyond(self.retained, self.max_leak, self._created)
+            over = beyond(self.retained, self.max_leak, self._created)
             if over:
-                message = _leak_message(self._title(), over, self.max_leak,
-                                        self.reserved_growth)
+                message = leak_message(self._title(), over, self.max_leak,
+                                       self.reserved_growth)
                 if self.leaks:
                     message += "; " + self.biggest_leak()
                 if exc_type is None:
-                    raise _leak_error(message, over, self.max_leak, self.leaks)
+                    raise leak_error(message, over, self.max_leak, self.leaks)
                 log.warning("%s (not raised: the block raised %s)", message,
                             exc_type.__name__)
 
@@ -293,9 +293,9 @@ class MemoryScope:
         assert self.after is not None
         for backend, device in self._pairs:
             after = Reading(self.after[device].allocated, self.after[device].reserved)
-            kept = _growth(_in_use(backend, entry[device]), _in_use(backend, after))
+            kept = growth(in_use(backend, entry[device]), in_use(backend, after))
             self.retained[device] = 0 if kept is None else max(0, kept)
-            self.reserved_growth[device] = _growth(entry[device].reserved, after.reserved)
+            self.reserved_growth[device] = growth(entry[device].reserved, after.reserved)
             start, end = backend.level(entry[device]), backend.level(after)
             if self.peak.get(device) is None and start is not None and end is not None:
                 self.peak[device] = max(start, end)
@@ -316,7 +316,7 @@ class MemoryScope:
         is named once, by the tensor that owns it, with all it keeps: ``float32[1024, 4096]
         and 5 more saved by the graph of float32[] held by module __main__, global
         losses[2] (21.0 MiB)``."""
-        return _leak_line(self.leaks, self.retained)
+        return leak_line(self.leaks, self.retained)
 
     def close(self, *, cleanup: Optional[Cleanup] = None, judge: bool = True) -> None:
         """End an open scope now: clean up and measure, as leaving the ``with`` block does.
@@ -459,244 +459,10 @@ def memory_scope(name: Union[str, F, None] = None, *, devices: Devices = None,
     return MemoryScope(name, **options)  # type: ignore[arg-type]
 
 
-def _leak_line(leaks: list[TensorInfo], retained: dict[str, int]) -> str:
+def leak_line(leaks: list[TensorInfo], retained: dict[str, int]) -> str:
     """``retained 40.0 MiB on host: <what keeps it>; ...``, or ``""`` without leaks."""
     if not leaks:
         return ""
     device = "host" if leaks[0].device == "cpu" else leaks[0].device
     amount = retained.get(device, leaks[0].nbytes)
     return f"retained {format_bytes(amount)} on {device}: " + "; ".join(describe_leaks(leaks))
-
-
-def _lower(a: Readings, b: Readings) -> Readings:
-    """Per device and field, the lower of two readings (``b`` may lack devices)."""
-    return {d: r.lower(b[d]) if d in b else r for d, r in a.items()}
-
-
-class _FreesMemory:
-    """What the calls of one ``@frees_memory`` function share: the cleanup policy (with its
-    back-off), the level the last cleanup left (``baseline``) and the count of outermost calls.
-
-    Each call keeps its own entry readings (:class:`_Call`), so calls that overlap (threads,
-    asyncio tasks, generators) never measure against one another's entry. The policy compares
-    the memory after a call with the lower of its entry level and the baseline: a step whose
-    inputs were allocated before the call and end up in a reference cycle made by it leaves no
-    growth over its own entry, yet is caught. ``max_leak`` counts only what the call itself
-    kept over its entry, on the allocators' in-use figure; the first ``warmup`` calls are not
-    judged.
-    """
-
-    def __init__(self, what: str, every: int, cleanup: Cleanup, max_leak: Optional[int],
-                 recursion: bool, warmup: int = 0, track_tensors: bool = False) -> None:
-        self.what = what
-        self.every = every
-        self.max_leak = max_leak
-        self.warmup = warmup
-        self.track_tensors = track_tensors
-        self.settler = settler_for(cleanup, adaptive=True)
-        # reentrant: a finaliser that the cleanup's collection runs may call the function
-        self.lock = ForkSafeLock(reentrant=True)
-        self.calls = 0
-        self.baseline: Readings = {}
-        self.baseline_kind = "in use"  # what the baseline's readings are (read_all's kind)
-        # Calls of this function running in the current thread or asyncio task: a recursive
-        # call sees the outer one's and leaves the cleanup to it. Generators do not count:
-        # their bodies run in whichever context steps them and may stay suspended for ever.
-        self.depth: Optional[ContextVar[int]] = (
-            ContextVar(f"frees_memory {what}", default=0) if recursion else None)
-
-    def call(self) -> "_Call":
-        """The context manager of one call."""
-        return _Call(self)
-
-
-class _Call:
-    """One call of a ``@frees_memory`` function: its depth and its own entry readings."""
-
-    __slots__ = ("shared", "depth", "pairs", "entry", "tensors", "census", "kind")
-
-    def __init__(self, shared: _FreesMemory) -> None:
-        self.shared = shared
-        self.depth = 0
-        self.pairs: Pairs = []
-        self.entry: Readings = {}
-        self.tensors: dict[int, Any] = {}
-        self.census = False  # tensors recorded on entry
-        self.kind = "in use"  # the readings' kind: the resident set where mallinfo2 is slow
-
-    def __enter__(self) -> None:
-        counter = self.shared.depth
-        if counter is not None:
-            self.depth = counter.get()
-            counter.set(self.depth + 1)
-        if self.depth == 0:
-            from .backends import resolve_devices
-
-            self.pairs = resolve_devices(None)
-            self.census = self.shared.track_tensors or _census_needed(self.shared.max_leak)
-            if self.census:
-                self.tensors = tensor_ids()
-            if self.shared.max_leak is None and not self.shared.track_tensors:
-                from .backends import host  # no verdict rests on it: the cheap reading
-
-                self.kind = host.quick_kind()
-            self.entry = read_all(self.pairs, self.kind)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        shared = self.shared
-        if shared.depth is not None:
-            shared.depth.set(self.depth)
-        if self.depth > 0:
-            return
-        with shared.lock:
-            shared.calls += 1
-            judged = shared.calls > shared.warmup
-            if shared.calls % shared.every:
-                return
-            try:
-                baseline = shared.baseline if shared.baseline_kind == self.kind else {}
-                if shared.settler is None:  # cleanup="never": measure only
-                    after = read_all(self.pairs, self.kind)
-                else:
-                    after = shared.settler.settle(self.pairs, _lower(self.entry, baseline),
-                                                  self.kind).after
-            except Exception:
-                if exc_type is None:
-                    raise
-                log.exception("cleanup after %s failed while it raised", shared.what)
-                return
-            shared.baseline, shared.baseline_kind = after, self.kind
-        if not judged or (shared.max_leak is None and not shared.track_tensors):
-            return
-        limit = shared.max_leak
-        over = self._over(after, limit)
-        if over and limit is not None:
-            # The verdict never rests on a cleanup the policy skipped or cut short (a backed-off
-            # or young-generation collection): before blaming the call, collect in full.
-            with interrupts_after():
-                gc.collect()
-            with shared.lock:
-                shared.baseline = after = read_all(self.pairs)
-            over = self._over(after, limit)
-        leaks: list[TensorInfo] = []
-
-        def created() -> list[TensorInfo]:
-            if self.census:
-                self.census = False
-                leaks.extend(created_since(self.tensors, live_tensors()))
-            return leaks
-
-        if over and limit is not None:
-            over = _beyond(over, limit, created)
-        if shared.track_tensors and (over or limit is None):
-            created()
-            if limit is None and leaks:
-                log.debug("%s kept %s", shared.what, _leak_line(leaks, {}))
-        self.tensors = {}
-        if over and limit is not None:
-            message = _leak_message(shared.what, over, limit, {
-                d: _growth(self.entry.get(d, UNKNOWN).reserved, after.get(d, UNKNOWN).reserved)
-                for d in over})
-            if leaks:
-                message += "; " + _leak_line(leaks, over)
-            if exc_type is None:
-                raise _leak_error(message, over, limit, leaks)
-            log.warning("%s (not raised: it raised %s)", message, exc_type.__name__)
-
-    def _over(self, after: Readings, limit: Optional[int]) -> dict[str, int]:
-        """The devices whose in-use bytes grew by more than ``limit`` since the call's entry."""
-        over: dict[str, int] = {}
-        if limit is None:
-            return over
-        for backend, device in self.pairs:
-            kept = _growth(_in_use(backend, self.entry.get(device)),
-                           _in_use(backend, after.get(device)))
-            if kept is not None and kept > limit:
-                over[device] = kept
-        return over
-
-
-@overload
-def frees_memory(func: F, /) -> F: ...
-@overload
-def frees_memory(func: None = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
-                 max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False) -> Callable[[F], F]: ...
-
-
-def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanup = "auto",
-                 max_leak: Optional[Size] = None, warmup: int = 1,
-                 track_tensors: bool = False) -> Union[F, Callable[[F], F]]:
-    """Clean up after every call (or every ``every``-th call) of the decorated function.
-
-    Works as ``@frees_memory`` and ``@frees_memory(...)`` on functions, methods,
-    classmethods, staticmethods, ``async def`` functions (cleanup after the await) and
-    generator functions (cleanup when the generator finishes or is closed). Cleanup runs
-    whether the call returned or raised. ``cleanup="auto"`` reads memory first (microseconds)
-    and collects garbage or empties caches only when the call left memory above its entry
-    level, backing off from work that keeps proving useless; ``"always"`` collects and empties
-    every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
-    alone). ``max_leak`` raises
-    :class:`MemoryLeakError` when a device kept more over the call's own run (with
-    ``every > 1``, checked on the calls that clean up), on what the allocators hand out
-    (``allocated``; glibc's in-use bytes on the host), never on the resident set; before
-    raising it collects in full, so a collection the policy skipped never decides a verdict;
-    a ``max_leak`` below ``MIN_LEAK`` is judged as ``memory_scope`` judges it.
-    The first ``warmup`` calls (default 1) clean up but are not judged: a training step's
-    first call creates what every later one reuses (optimizer moments,
-    autograd's and the kernels' one-time state); ``warmup=0`` judges from the first call.
-    ``track_tensors=True`` records the live tensors at each call's entry and, for a call that
-    kept too much, names the tensors it created and left alive, grouped by what keeps them
-    (a graph kept by a ``loss`` named once, by its holder), in the error (and its ``leaks``);
-    without ``max_leak`` it logs them at DEBUG. It costs a census of the live tensors per call.
-
-    Each call keeps its own entry readings: calls that overlap (threads, asyncio tasks,
-    interleaved generators, a generator closed on another thread) each clean up after
-    themselves and are judged against their own entry, never another call's. Memory is per
-    process, so a call is charged with what others allocated *during* its run and still hold.
-    Recursive calls (in one thread or task) clean up once, when the outermost returns; each
-    generator cleans up when it finishes or is closed, wherever that happens.
-
-    Args:
-        func: the function to decorate, for the bare ``@frees_memory``; left out when the
-            decorator is given arguments. Default ``None``.
-        every: clean up after every ``every``-th call (a positive int). Default ``1``.
-        cleanup: ``"auto"``, ``"always"`` or ``"never"`` (see above).
-        max_leak: the most a call may keep on a device, in bytes or a size such as
-            ``"256MiB"``; ``None`` judges nothing.
-        warmup: how many first calls clean up without being judged against ``max_leak``.
-            Default ``1``.
-        track_tensors: name the tensors that a call which kept too much created and left alive.
-            Default ``False``.
-
-    Returns:
-        The decorated function, with its signature, name and docstring (``@frees_memory``), or
-        a decorator (``@frees_memory(...)``).
-
-    Raises:
-        MemoryLeakError: after a judged call that kept more than ``max_leak`` on a device.
-        ValueError: a bad ``every``, ``warmup``, ``cleanup`` or ``max_leak``, named with its
-            value.
-        TypeError: an async generator function, which cannot be cleaned up after.
-
-    >>> import memguard
-    >>> @memguard.frees_memory
-    ... def train_step(batch):
-    ...     return sum(batch)
-    >>> train_step([1, 2, 3])
-    6
-    """
-    positive_int(every, "every", who="frees_memory")
-    mode = cleanup_mode(cleanup, "frees_memory")
-    positive_int(warmup, "warmup", minimum=0, who="frees_memory",
-                 hint=" (the calls not judged for max_leak)")
-    flag(track_tensors, "track_tensors", who="frees_memory")
-    limit = parse_optional_size(max_leak, "frees_memory: max_leak")
-
-    def decorate(f: F) -> F:
-        shared = _FreesMemory(name_of(f), every, mode, limit,
-                              recursion=function_kind(f) != "generator", warmup=warmup,
-                              track_tensors=track_tensors)
-        return guard(f, shared.call, "frees_memory")
-
-    return decorate if func is None else decorate(func)
