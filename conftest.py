@@ -5,5 +5,6 @@
 # of objects in the heap of every run, for every later full collection to walk.
 # tests/test_integrations_doctests.py runs their examples in a process of its own.
 FRAMEWORK_MODULES = ["memguard/integrations/keras.py", "memguard/integrations/lightning.py",
-                     "memguard/integrations/transformers.py"]
+                     "memguard/integrations/transformers.py",
+                     "memguard/integrations/_transformers_step.py"]
 collect_ignore = list(FRAMEWORK_MODULES)

@@ -15,11 +15,12 @@ from frameworks import installed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = {"memguard/integrations/keras.py": "keras",
            "memguard/integrations/lightning.py": "pytorch_lightning",
-           "memguard/integrations/transformers.py": "transformers"}
+           "memguard/integrations/transformers.py": "transformers",
+           "memguard/integrations/_transformers_step.py": "transformers"}
 
 
 @pytest.mark.slow
-def test_the_docstring_examples_of_the_framework_integrations_run():
+def test_the_docstring_examples_of_the_framework_integrations_run(lean_pytest):
     paths = [path for path, package in MODULES.items() if installed(package)]
     if not paths:
         pytest.skip(f"needs one of {sorted(MODULES.values())}")
