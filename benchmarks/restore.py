@@ -12,7 +12,7 @@ from benchmarks.common import Result, run_python
 
 CODE = """
 import json, statistics, time, torch
-from memguard.backends import torch_state
+from memguard.backends.steps import torch_state
 torch.set_num_threads(1)
 MIB = {mib}
 model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(MIB // 4)])

@@ -115,7 +115,7 @@ class _Mapper:
         if segment.failed_here:
             self.size = segment.size
         if join and len(segment.results) > 1:
-            from .backends.torch_data import concatenate
+            from .backends.steps.torch_data import concatenate
 
             self.results.append(concatenate(segment.results))
         else:
@@ -210,7 +210,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
     policy = Policy.checked("map_batches", min_batch_size=min_batch_size, factor=factor,
                             max_attempts=max_attempts, on_retry=on_retry, sync=sync)
     batch_size = policy.check_start(batch_size, "map_batches")
-    from .backends.torch_data import collate as collate_samples, is_map_dataset
+    from .backends.steps.torch_data import collate as collate_samples, is_map_dataset
 
     mapper = _Mapper(fn, batch_size, policy)
     if isinstance(data, (tuple, Mapping)) or is_map_dataset(data) or (

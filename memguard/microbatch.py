@@ -30,8 +30,8 @@ The order of one call:
    the ranks once.
 
 Under FSDP2 (``fully_shard``) the passes run with FSDP's reduction held back and a flag exchange
-before each unit's all-gathers (``backends/torch_fsdp.py``); every rank redoes a failed pass at
-one size, and the gradients are reduce-scattered once after the last pass.
+before each unit's all-gathers (``backends/steps/torch_fsdp.py``); every rank redoes a failed
+pass at one size, and the gradients are reduce-scattered once after the last pass.
 """
 
 from __future__ import annotations
@@ -61,12 +61,8 @@ from ._checks import optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, batch_elements, plan_batch
-from .backends import (
-    torch_distributed,
-    torch_fsdp,
-    torch_recompute,
-    torch_training as training,
-)
+from .backends import torch_distributed
+from .backends.steps import torch_fsdp, torch_recompute, torch_training as training
 from .cleanup import free_memory
 from .distributed import OK, Agreement, Sync
 from .errors import MemguardError, OutOfMemoryError, oom_kind

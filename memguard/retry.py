@@ -23,8 +23,8 @@ from typing import (
 )
 
 from ._decorate import function_kind, name_of, with_statistics
-from .backends import torch_state
 from .backends.budget import available as budget_available, device_identity
+from .backends.steps import torch_state
 from .distributed import Sync
 from .history import dump, start_recording, stop_recording
 from .loop import Attempt, Factor, GuardState, Loop, Policy

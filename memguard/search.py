@@ -9,8 +9,9 @@ import os
 from typing import Any, Callable, Literal, Optional, Union
 
 from ._checks import fraction, positive_int
-from .backends import resolve_devices, torch_state
+from .backends import resolve_devices
 from .backends.budget import available as budget_available, watched_devices
+from .backends.steps import torch_state
 from .cleanup import free_memory
 from .distributed import Sync
 from .errors import OutOfMemoryError

@@ -169,7 +169,7 @@ def test_a_parameter_the_model_gains_between_calls_is_the_models_own(how, caplog
 
 
 def test_a_head_outside_the_model_is_told_from_the_models_own_once(monkeypatch, caplog):
-    from memguard.backends import torch_training
+    from memguard.backends.steps import torch_training
 
     body, _ = pair()
     head = torch.nn.Linear(1, 1)  # trained beside the model, not in it
@@ -205,7 +205,7 @@ def test_a_buffer_written_into_its_module_between_calls_is_the_one_put_back():
 
 @pytest.mark.parametrize("how", ["setattr", "direct"])
 def test_a_module_the_model_gains_between_calls_has_its_buffers_put_back(how, monkeypatch):
-    from memguard.backends import torch_training
+    from memguard.backends.steps import torch_training
 
     model, reference = pair()
     reference.norm = torch.nn.BatchNorm1d(16, affine=False)

@@ -190,7 +190,7 @@ def test_one_sample_too_long_runs_with_recompute_and_plain_torch_gradients(
 def test_a_hugging_face_model_uses_its_own_checkpointing_for_the_batch_only():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from memguard.backends import torch_recompute as _recompute
+    from memguard.backends.steps import torch_recompute as _recompute
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
@@ -216,7 +216,7 @@ def test_a_hugging_face_model_uses_its_own_checkpointing_for_the_batch_only():
 
 def test_blocks_get_their_forwards_back_after_an_error():
     torch = pytest.importorskip("torch")
-    from memguard.backends import torch_recompute as _recompute
+    from memguard.backends.steps import torch_recompute as _recompute
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
         torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 1))

@@ -214,8 +214,8 @@ def test_a_large_constant_buffer_is_watched_not_copied_and_a_moved_one_is_told(c
 
     model = Table()
     step = memguard.auto_microbatch(model)(lambda b: model(b).pow(2).mean())
-    buffers = memguard.backends.torch_training.Buffers(
-        memguard.backends.torch_training.trained(model)[1])
+    buffers = memguard.backends.steps.torch_training.Buffers(
+        memguard.backends.steps.torch_training.trained(model)[1])
     assert buffers.copies == {} and len(buffers.watched) == 1  # not copied: watched
     model.limit, model.move = 4, True
     with caplog.at_level(logging.WARNING, "memguard"):

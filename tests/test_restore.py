@@ -136,7 +136,7 @@ in_file = memguard.oom_retry(batch_size=64, factor=0.25, restore=filed,
 in_file()
 training(fresh)(16)
 memguard.oom_retry(batch_size=64, factor=0.25)(training(plain))()  # control: no restore
-from memguard.backends import torch_state
+from memguard.backends.steps import torch_state
 kept = torch_state.copy_states(torch_state.check_restorable(filed, "file"))
 kept_in = kept.path  # what an error restoring it names
 kept.discard()
@@ -162,7 +162,7 @@ def test_restore_takes_a_keras_model_and_its_optimizer(python_in_subprocess):
 def test_restore_puts_cuda_state_back_in_place(to):
     import torch
 
-    from memguard.backends import torch_state
+    from memguard.backends.steps import torch_state
 
     model = torch.nn.Linear(256, 256).cuda()
     optimizer = torch.optim.Adam(model.parameters())

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import memguard
-from memguard.backends import torch_state
 from memguard.backends.host import cgroup_memory_budget
+from memguard.backends.steps import torch_state
 from memguard.errors import requested_bytes
 from memguard.sizefile import SizeFile
 from memguard.sizes import size_after_oom

@@ -321,7 +321,7 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
     that often in all, one sample's loss again after the reading (``probe=False``: only
     those calls, for a rank whose reading is final)."""
     from .._slices import plan_batch
-    from ..backends import torch_fsdp
+    from ..backends.steps import torch_fsdp
 
     assumed = "items" if items is not None else "tokens"
     if torch_fsdp.units(model):

@@ -26,7 +26,7 @@ import types
 from typing import Any, Callable, Iterator, Optional
 
 from .._units import Size
-from ..backends import torch_fsdp
+from ..backends.steps import torch_fsdp
 from ..cleanup import Cleanup
 from ..distributed import Sync
 from ..loop import Attempt, Factor

@@ -18,9 +18,9 @@ import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
-from .._locks import ForkSafeLock
-from ..errors import oom_kind
-from .torch import module_tree
+from ..._locks import ForkSafeLock
+from ...errors import oom_kind
+from ..torch import module_tree
 
 log = logging.getLogger("memguard")
 SMALL_BUFFER = 4 << 20
@@ -261,7 +261,7 @@ class Buffers:
         from torch.nn.modules.batchnorm import _NormBase
         from torch.nn.parameter import is_lazy
 
-        from ..errors import oom_kind
+        from ...errors import oom_kind
 
         self.who = who
         self.movers = movers

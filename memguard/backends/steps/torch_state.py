@@ -1,6 +1,7 @@
 """Copies of training state (modules, optimizers, schedulers, a ``GradScaler``: anything with
 ``state_dict`` / ``load_state_dict``; Keras models and optimizers through
-:mod:`~memguard.backends.keras_state`), taken before an attempt and loaded back before a retry.
+:mod:`~memguard.backends.steps.keras_state`), taken before an attempt and loaded back before a
+retry.
 
 The copy lives in host memory (each tensor cloned to the CPU) or, with ``restore_to="file"``
 (and with ``"auto"`` when the state is larger than half the host's available memory), in a
@@ -17,10 +18,10 @@ import os
 import sys
 from typing import Any, BinaryIO, Optional
 
-from .._units import format_bytes
-from ..errors import OutOfMemoryError, oom_kind
+from ..._units import format_bytes
+from ...errors import OutOfMemoryError, oom_kind
+from ..base import is_keras_model
 from . import keras_state
-from .base import is_keras_model
 
 RESTORE_TO = ("auto", "memory", "file")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from .base import _KERAS_MODULES, is_keras_model
+from ..base import _KERAS_MODULES, is_keras_model
 
 
 def is_keras_state(obj: Any) -> bool:

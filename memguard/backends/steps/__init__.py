@@ -1,0 +1,6 @@
+"""What a step needs from the frameworks, beside the memory readers of :mod:`memguard.backends`:
+training state copied for ``restore=`` (torch and Keras), gradients set aside and merged,
+FSDP2's collectives held, activations recomputed, a Dataset's samples collated.
+
+Like every backend, each module here imports torch only inside its functions.
+"""
