@@ -16,6 +16,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
+from ._tf_compat import VARIABLE_HANDLE, runtime_initialized
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 log = logging.getLogger("memguard")
@@ -38,7 +39,7 @@ def _runtime_started() -> bool:
     try:
         from tensorflow.python.eager import context
 
-        return bool(context.context()._initialized)  # noqa: SLF001 - no public way to ask
+        return runtime_initialized(context)
     except (ImportError, AttributeError):
         return False
 
@@ -214,7 +215,7 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         nbytes = None if count is None else count * dtype.size
         # A variable's memory is its resource handle's: variables that share one (such as the
         # _UnreadVariable an assign returns) count it once.
-        handle = getattr(tensor, "_handle", None)
+        handle = getattr(tensor, VARIABLE_HANDLE, None)
         key = ("tf", id(tensor if handle is None else handle))
         return (_device(tensor.device), dtype.name, shape, key, nbytes or 0, False)
     except (ValueError, AttributeError, RuntimeError, TypeError):

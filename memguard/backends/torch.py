@@ -14,6 +14,8 @@ import weakref
 from typing import Any, Iterable, Optional
 
 from .._locks import ForkSafeLock
+from . import _torch_compat as compat
+from ._torch_compat import children, is_view
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 
@@ -172,9 +174,8 @@ def _classes() -> list[Any]:
     if not _CLASSES:
         torch = _torch()
         module = torch.nn.Module
-        # torch.inference_mode()'s own C++ guard where torch has it (entering it directly
-        # saves the Python wrapper's ~5 us), else the public context manager
-        guard = getattr(torch._C, "_InferenceMode", None)  # noqa: SLF001 - what torch.inference_mode enters
+        # torch.inference_mode()'s own C++ guard where torch has it, else the public one
+        guard = compat.inference_guard(torch)
         _CLASSES[:] = [module, module.train, module.__setattr__,
                        torch.inference_mode if guard is None else guard]
     return _CLASSES
@@ -208,7 +209,7 @@ def module_tree(models: Iterable[Any]) -> list[Any]:
             seen.add(id(model))
             out.append(model)
     for module in out:  # grows while it is walked
-        for child in module._modules.values():  # noqa: SLF001 - the children, as modules() reads them
+        for child in children(module).values():
             if child is not None and id(child) not in seen:
                 seen.add(id(child))
                 out.append(child)
@@ -369,7 +370,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
             device = known.get(device) or dtype_name(device)
             ident = id(tensor)
             add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
-                                     tensor.shape, storage.nbytes(), tensor._is_view(),  # noqa: SLF001 - torch's view test, no public equivalent
+                                     tensor.shape, storage.nbytes(), is_view(tensor),
                                      names.get(ident), ident, ref(tensor))))
             add_key((device, pointer))
         except Exception:  # noqa: BLE001 - a program's subclass may raise anything from a read
@@ -401,7 +402,7 @@ def _parts(tensor: Any) -> list[tuple[int, int]]:
     layout = tensor.layout
     tensors: tuple[Any, ...]
     if layout is torch.sparse_coo:
-        tensors = (tensor._values(), tensor._indices())  # noqa: SLF001 - uncoalesced too, no copy
+        tensors = (compat.sparse_values(tensor), compat.sparse_indices(tensor))
     elif layout in (torch.sparse_csr, torch.sparse_bsr):
         tensors = (tensor.values(), tensor.crow_indices(), tensor.col_indices())
     elif layout in (torch.sparse_csc, torch.sparse_bsc):
@@ -455,17 +456,17 @@ def history_supported() -> bool:
 
 def start_history(max_entries: int) -> None:  # pragma: gpu
     """Start recording CUDA allocation history (stack traces included)."""
-    _torch().cuda.memory._record_memory_history(max_entries=max_entries)  # noqa: SLF001 - torch's documented memory-history API
+    compat.record_memory_history(_torch())(max_entries=max_entries)
 
 
 def dump_history(path: str) -> None:  # pragma: gpu
     """Write the recorded history as a snapshot pickle (for PyTorch's memory_viz page)."""
-    _torch().cuda.memory._dump_snapshot(path)  # noqa: SLF001 - torch's documented memory-history API
+    compat.dump_snapshot(_torch())(path)
 
 
 def stop_history() -> None:  # pragma: gpu
     """Stop recording CUDA allocation history."""
-    _torch().cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001 - torch's documented memory-history API
+    compat.record_memory_history(_torch())(enabled=None)
 
 
 # -- limits -------------------------------------------------------------------------------------

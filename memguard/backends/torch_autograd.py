@@ -4,7 +4,7 @@ A ``loss`` kept in a list (not ``loss.item()``) keeps its whole graph alive, and
 tensor the graph saved for backward (activations, inputs). Those tensors have no Python
 referrer: the graph's C++ nodes hold them. :func:`graph_savings` walks the graphs of the live
 tensors (``grad_fn``, then ``next_functions``) and reads each node's saved tensors through its
-``_saved_*`` attributes (every torch 2.x build generates them for its backward nodes) and
+``_saved_*`` attributes (:data:`~memguard.backends._torch_compat.SAVED_PREFIX`) and
 ``saved_tensors`` (custom ``autograd.Function`` nodes). It returns storage keys and indices,
 never a tensor: the census it serves keeps no strong reference.
 """
@@ -15,6 +15,7 @@ import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
+from ._torch_compat import SAVED_PREFIX
 from .torch import dtype_name as _name, owned_storage
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}
@@ -25,7 +26,7 @@ def _saved_names(node_type: type) -> tuple[str, ...]:
     names = _SAVED_NAMES.get(node_type)
     if names is None:
         names = tuple(name for name in dir(node_type)
-                      if name.startswith("_saved_") or name == "saved_tensors")
+                      if name.startswith(SAVED_PREFIX) or name == "saved_tensors")
         _SAVED_NAMES[node_type] = names
     return names
 

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Optional
 
 from .._locks import ForkSafeLock
+from ._torch_compat import default_group_reader
 
 _lock = ForkSafeLock()
 # default group -> memguard's gloo group for it. Weak keys: once the user destroys the default
@@ -27,8 +28,8 @@ def world() -> Optional[tuple[int, int]]:
     dist = _DIST[0] if _DIST else _distributed()
     if dist is None:
         return None
-    if _WORLD:  # where torch keeps the default group: is_initialized() in four calls
-        if _WORLD[0]._default_pg is None:  # noqa: SLF001 - read, as is_initialized() does
+    if _DEFAULT_GROUP:  # where torch keeps the default group: is_initialized() in four calls
+        if _DEFAULT_GROUP[0]() is None:
             return None
     elif not dist.is_initialized():
         return None
@@ -36,7 +37,7 @@ def world() -> Optional[tuple[int, int]]:
 
 
 _DIST: list[Any] = []  # torch.distributed once torch is imported, None where unavailable
-_WORLD: list[Any] = []  # torch's record of the default group, where it is as expected
+_DEFAULT_GROUP: list[Any] = []  # the default group's reader, where torch's record is as expected
 
 
 def _distributed() -> Any:
@@ -48,12 +49,9 @@ def _distributed() -> Any:
 
     _DIST[:] = [dist if dist.is_available() else None]
     if _DIST[0] is not None:
-        record = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world",
-                         None)
-        # is_initialized() reads the group from this record's _default_pg (torch 2.x)
-        if record is not None and "_default_pg" in getattr(record, "__dict__", ()) \
-                and (record._default_pg is not None) == dist.is_initialized():  # noqa: SLF001
-            _WORLD[:] = [record]
+        reader = default_group_reader(dist)
+        if reader is not None:
+            _DEFAULT_GROUP[:] = [reader]
     return _DIST[0]
 
 

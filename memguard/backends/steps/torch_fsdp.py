@@ -28,6 +28,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
+from .. import _torch_compat as compat
+from .._torch_compat import UNSHARDED_PARAM as UNSHARDED
+
 
 def fsdp1(model: Any) -> Optional[Any]:
     """The first ``FullyShardedDataParallel`` (FSDP1) module in ``model``, or ``None``."""
@@ -68,11 +71,11 @@ class Sharding:
         self.states: list[Any] = []
         self.groups: list[Any] = []
         for unit in self.units:
-            state = unit._get_fsdp_state()  # noqa: SLF001 - FSDP2's per-module state
+            state = compat.fsdp_state(unit)
             if any(state is s for s in self.states):
                 continue
             self.states.append(state)
-            self.groups.extend(state._fsdp_param_groups)  # noqa: SLF001
+            self.groups.extend(compat.fsdp_param_groups(state))
         # the user's own reduction flags (off inside their accumulation steps)
         self.flags = [(g.reduce_grads, g.all_reduce_grads) for g in self.groups]
         self.syncs = any(reduce for reduce, _ in self.flags)
@@ -98,16 +101,16 @@ class Sharding:
         for state in self._roots():
             # after a backward, every group is idle: the end-of-backward callback runs each
             # group's post-backward, which reduces what the group accumulated
-            state._root_post_backward_final_callback()  # noqa: SLF001 - FSDP2's own path
+            compat.fsdp_final_callback(state)  # FSDP2's own path
 
     def _roots(self) -> list[Any]:
-        return [s for s in self.states if s._is_root]  # noqa: SLF001 - set by lazy init
+        return [s for s in self.states if compat.fsdp_is_root(s)]  # set by lazy init
 
     def reset(self) -> None:
         """After a pass that raised: every root FSDP module's iteration state reset (its
         parameters resharded, its trackers cleared), as FSDP's ``reset_iter_state()`` does."""
         for state in self._roots():
-            state._reset_iter_state()  # noqa: SLF001 - what FSDPModule.reset_iter_state calls
+            compat.fsdp_reset_iter_state(state)
 
     # -- unsharded gradients ---------------------------------------------------------------
     def _params(self) -> list[Any]:
@@ -118,7 +121,7 @@ class Sharding:
         gradient sync); the parameters are left with none."""
         saved: Saved = []
         for param in self._params():
-            unsharded = getattr(param, "_unsharded_param", None)
+            unsharded = getattr(param, UNSHARDED, None)
             grad = unsharded.grad if unsharded is not None else None
             accumulated = param.unsharded_accumulated_grad
             if grad is None and accumulated is None:
@@ -132,7 +135,7 @@ class Sharding:
     def drop(self) -> None:
         """Forget the unsharded gradients written since :meth:`stash`."""
         for param in self._params():
-            unsharded = getattr(param, "_unsharded_param", None)
+            unsharded = getattr(param, UNSHARDED, None)
             if unsharded is not None:
                 unsharded.grad = None
             param.unsharded_accumulated_grad = None
@@ -142,7 +145,7 @@ class Sharding:
         self.drop()
         for param, grad, accumulated in saved:
             if grad is not None:
-                param._unsharded_param.grad = grad  # noqa: SLF001
+                getattr(param, UNSHARDED).grad = grad
             param.unsharded_accumulated_grad = accumulated
 
     def merge(self, saved: Saved) -> None:
@@ -152,7 +155,7 @@ class Sharding:
         with torch.no_grad():
             for param, grad, accumulated in saved:
                 if grad is not None:
-                    unsharded = param._unsharded_param  # noqa: SLF001
+                    unsharded = getattr(param, UNSHARDED)
                     if unsharded.grad is not None:
                         grad.add_(unsharded.grad)
                     unsharded.grad = grad

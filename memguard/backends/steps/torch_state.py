@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Optional
 
 from ..._units import format_bytes
 from ...errors import OutOfMemoryError, oom_kind
+from .._torch_compat import STATE_DICT_METADATA
 from ..base import is_keras_model
 from . import keras_state
 
@@ -91,9 +92,9 @@ def _map(value: Any, tensor: Any) -> Any:
     if isinstance(value, dict):
         items = [(k, _map(v, tensor)) for k, v in value.items()]
         out = dict(items) if type(value) is dict else type(value)(items)
-        metadata = getattr(value, "_metadata", None)  # a module's state_dict versions
+        metadata = getattr(value, STATE_DICT_METADATA, None)  # a module's state_dict versions
         if metadata is not None:
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]  # noqa: SLF001 - a state_dict's version metadata
+            setattr(out, STATE_DICT_METADATA, copy.deepcopy(metadata))
         return out
     if isinstance(value, list):
         return [_map(v, tensor) for v in value]

@@ -20,6 +20,14 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 from ..._locks import ForkSafeLock
 from ...errors import oom_kind
+from .. import _torch_compat as compat
+from .._torch_compat import (
+    buffers_of,
+    non_persistent_buffers,
+    parameters_of,
+    post_accumulate_grad_hooks,
+    version_of,
+)
 from ..torch import module_tree
 
 log = logging.getLogger("memguard")
@@ -51,14 +59,14 @@ def trained(model: Any) -> tuple[list[Any], list[Slot]]:
     slots: list[Slot] = []
     seen: set[int] = set()
     for module in module_tree((model,)):
-        for p in module._parameters.values():  # noqa: SLF001 - one walk for both
+        for p in parameters_of(module).values():  # one walk for both
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 if p.requires_grad:
                     params.append(p)
-        buffers = module._buffers  # noqa: SLF001 - with their owner and persistence
+        buffers = buffers_of(module)  # with their owner and persistence
         if buffers:
-            skip = module._non_persistent_buffers_set  # noqa: SLF001 - what state_dict skips
+            skip = non_persistent_buffers(module)  # what state_dict skips
             slots.extend((module, name) for name, b in buffers.items()
                          if b is not None and name not in skip)
     return params, slots
@@ -220,7 +228,7 @@ def _accumulate_type() -> type:
     """The Python type of autograd's ``AccumulateGrad`` nodes (the graph's leaves)."""
     import torch
 
-    _ACCUMULATE[:] = [torch._C._functions.AccumulateGrad]  # type: ignore[attr-defined]  # noqa: SLF001
+    _ACCUMULATE[:] = [compat.accumulate_grad_type(torch)]
     return _ACCUMULATE[0]
 
 
@@ -269,7 +277,7 @@ class Buffers:
         self.watched: list[tuple[Any, str, Any, int]] = []  # (module, name, buffer, version)
         self.lazy: list[tuple[Any, str]] = []  # uninitialised on entry
         for module, name in slots:
-            buffer = module._buffers.get(name)  # noqa: SLF001 - with its owner
+            buffer = buffers_of(module).get(name)  # with its owner
             if buffer is None:
                 continue
             if is_lazy(buffer):
@@ -324,7 +332,7 @@ class Buffers:
         """The watched buffers that moved since entry: ``(module, name, current tensor)``."""
         moved = []
         for module, name, buffer, version in self.watched:
-            current = module._buffers.get(name)  # noqa: SLF001 - with its owner
+            current = buffers_of(module).get(name)  # with its owner
             if current is not buffer or _version(buffer) != version:
                 moved.append((module, name, current))
         return moved
@@ -348,15 +356,15 @@ class Buffers:
         with torch.no_grad():
             for module, name, buffer in self.slots:
                 saved = self.copies[id(buffer)]
-                current = module._buffers.get(name)  # noqa: SLF001 - with the owner
+                current = buffers_of(module).get(name)  # with the owner
                 if current is buffer:
                     buffer.copy_(saved)
                 else:
-                    module._buffers[name] = saved.clone()  # noqa: SLF001 - with the owner
+                    buffers_of(module)[name] = saved.clone()  # with the owner
         stayed = []
         reset: set[int] = set()
         for module, name in self.lazy:
-            current = module._buffers.get(name)  # noqa: SLF001 - with the owner
+            current = buffers_of(module).get(name)  # with the owner
             if current is None or is_lazy(current) or id(module) in reset:
                 continue
             if callable(getattr(module, "reset_running_stats", None)):
@@ -378,7 +386,7 @@ def _version(tensor: Any) -> int:
     """``tensor``'s version counter (bumped by every in-place write); -1 for an inference
     tensor, which has none (and cannot be written in place outside inference mode)."""
     try:
-        return int(tensor._version)  # noqa: SLF001 - autograd's counter
+        return int(version_of(tensor))
     except RuntimeError:
         return -1
 
@@ -395,7 +403,7 @@ def hold(params: list[Any]) -> Held:
     now = list(map(grads, params))
     if now.count(None) == len(now):
         return None
-    return [None if g is None else (weakref.ref(g), g._version)  # noqa: SLF001 - autograd's counter
+    return [None if g is None else (weakref.ref(g), version_of(g))
             for g in now]
 
 
@@ -422,7 +430,7 @@ def settle(params: list[Any], held: Held) -> tuple[list[Any], int, int]:
         if mark is None or mark[0]() is not g:
             appeared += 1
             now[i] = None if mark is None else mark[0]()  # the entry, if it still exists
-        elif g._version != mark[1]:  # noqa: SLF001 - autograd's counter
+        elif version_of(g) != mark[1]:
             changed.append(g)
     for p in params:
         p.grad = None
@@ -435,7 +443,7 @@ def _nonzero(tensors: list[Any]) -> int:
 
     by_device: dict[Any, list[Any]] = {}
     for t in tensors:
-        values = t._values() if t.is_sparse else t  # noqa: SLF001 - a sparse tensor's values
+        values = compat.sparse_values(t) if t.is_sparse else t
         by_device.setdefault(values.device, []).append(values.ne(0).any())
     with torch.no_grad():
         return sum(int(torch.stack(flags).sum().item()) for flags in by_device.values())
@@ -455,11 +463,11 @@ def fused_steps(params: list[Any], ddp: Any = None) -> list[tuple[int, Any]]:
     read per parameter."""
     found: list[tuple[int, Any]] = []
     for i, p in enumerate(params):
-        hooks = p._post_accumulate_grad_hooks  # noqa: SLF001 - where torch keeps them
+        hooks = post_accumulate_grad_hooks(p)
         if hooks:
             found.extend((i, hook) for hook in hooks.values())
     if found and ddp is not None:
-        own = {id(hook) for handle in getattr(ddp, "_accum_grad_hooks", ())
+        own = {id(hook) for handle in getattr(ddp, compat.DDP_ACCUMULATE_HOOKS, ())
                for hook in _handle_hooks(handle)}
         found = [(i, hook) for i, hook in found if id(hook) not in own]
     return found
@@ -543,7 +551,7 @@ def replica_values(ddp: Any) -> tuple[list[str], list[float]]:
 
 def reset_scaler(scaler: Any) -> None:
     """Forget what ``scaler`` recorded for the optimizers during a failed pass."""
-    states = getattr(scaler, "_per_optimizer_states", None)
+    states = getattr(scaler, compat.SCALER_OPTIMIZER_STATES, None)
     if states:
         states.clear()
 
@@ -560,13 +568,13 @@ def comm_hooks(ddp: Any) -> list[str]:
     """The names of the communication hooks registered on a ``DistributedDataParallel``
     model with ``register_comm_hook`` (fp16 compression, PowerSGD...); empty for none or for
     ``None``."""
-    hooks = getattr(ddp, "_comm_hooks", None) or []  # where DDP keeps them
+    hooks = getattr(ddp, compat.DDP_COMM_HOOKS, None) or []
     names = [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
     if names or ddp is None:
         return names
     # a built-in C++ hook (``_register_builtin_comm_hook``) leaves no Python object: DDP's
     # logger records its name, as it does for every hook
-    logged = getattr(ddp, "_get_ddp_logging_data", None)
+    logged = getattr(ddp, compat.DDP_LOGGING_DATA, None)
     name = logged().get("comm_hook") if callable(logged) else None
     return [str(name)] if name else []
 
