@@ -58,8 +58,8 @@ Levels = dict[str, Level]
 CHECK_SHARE = 0.001
 """The most of the blocks' time the ``"auto"`` checks may take: the devices are read once the
 blocks since the previous check have run ``1 / CHECK_SHARE`` times as long as that check
-took (each check times itself: about 13 us for the host alone, so one every ~13 ms of
-blocks). A block that long is checked at its exit; a run of shorter ones every few blocks."""
+took (each check times itself). A block that long is checked at its exit; a run of shorter
+ones every few blocks."""
 MAX_GAP = 0.05
 """Seconds of blocks after which a check is due however long the previous one took (a
 reading of a slow heap, before the resident set stands in for it)."""
@@ -272,8 +272,8 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Union[InferenceMo
     flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's allocator
     hands out, at a cost kept to about 0.1% of the time spent in blocks: a check (microseconds)
     runs at the exit of a block once the blocks since the previous check have run 1,000 times as
-    long as that check took (``CHECK_SHARE``: so every block of more than ~13 ms, every few
-    shorter ones, and always within ``MAX_GAP`` seconds of blocks), and on the first block
+    long as that check took (``CHECK_SHARE``: so every block that long, every few shorter
+    ones, and always within ``MAX_GAP`` seconds of blocks), and on the first block
     and the first after a full collection memguard ran (:func:`memguard.free_memory`, a scope's
     cleanup), against its own entry too. It compares with the lower of the level the previous
     check left and, where the check was due on entry, the block's entry; where a device is more

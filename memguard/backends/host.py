@@ -42,9 +42,9 @@ def _libc() -> dict[str, Any]:
 
     ``pread`` and ``mallinfo2`` take microseconds and are called *without* releasing the
     interpreter lock (``ctypes.PyDLL``). Released, each would send a sampling thread back to
-    the end of the queue for the lock, 5 ms behind a busy thread: a monitor at 10 ms got 53
-    samples a second under a CPU-bound loop that way, and 100 with the lock held.
-    ``malloc_trim`` can take milliseconds: it lets the lock go (``ctypes.CDLL``).
+    the end of the queue for the lock, a switch interval behind a busy thread: a monitor
+    would fall behind its interval under a CPU-bound loop. ``malloc_trim`` can take
+    milliseconds: it lets the lock go (``ctypes.CDLL``).
     """
     if "loaded" not in _glibc:
         _glibc["loaded"] = True
@@ -77,7 +77,7 @@ def _libc() -> dict[str, Any]:
 
 
 class _ProcFile:
-    """A ``/proc/self`` file kept open and read with ``pread``: ~2 us a read instead of ~13.
+    """A ``/proc/self`` file kept open and read with ``pread``: no open and close a read.
 
     The descriptor is reopened after ``fork`` (an inherited one would read the parent).
     Read through glibc's ``pread`` with the interpreter lock held where glibc is there.
@@ -188,18 +188,16 @@ class HostBackend(Backend):
         """The reading a check on every call takes now: ``"in use"`` (``mallinfo2``), or
         ``"resident"`` (the resident set) for :data:`MALLINFO_PAUSE` seconds after
         :data:`SLOW_IN_A_ROW` ``mallinfo2`` readings in a row slower than
-        :data:`SLOW_MALLINFO` (one slow reading alone is the process being preempted, which
-        on a loaded machine happens about once in a thousand: a fragmented heap is slow every
-        time).
+        :data:`SLOW_MALLINFO` (one slow reading alone is the process being preempted: a
+        fragmented heap is slow every time).
 
-        ``mallinfo2`` walks every free block of the heap: microseconds on a fresh heap, but
-        about 2 ms on one holding 10,000 free blocks between live ones (a long-running
+        ``mallinfo2`` walks every free block of the heap: microseconds on a fresh heap,
+        milliseconds on one holding many free blocks between live ones (a long-running
         server's), which a check on every call cannot afford. The resident set takes a few
         microseconds to read; it grows when a block keeps new memory, and also when the heap
         merely grew, which then costs one needless cleanup. Each reading is also a system
-        call, which near a forward pass over large weights costs it about 10 us more than
-        the call itself (measured: 27 us for two around a 1.1 ms forward, against 12 us for
-        two ``mallinfo2``): where ``mallinfo2`` is fast it is the cheaper reading."""
+        call, which near a forward pass over large weights costs more than the call itself:
+        where ``mallinfo2`` is fast it is the cheaper reading."""
         return "resident" if time.monotonic() < self._quick_rss_until else "in use"
 
     def _judge_mallinfo(self, start: float) -> None:

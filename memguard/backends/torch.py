@@ -220,11 +220,10 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     """Enter ``torch.inference_mode()`` and put every module in eval mode.
 
     The models and their submodules, each once (:func:`module_tree`), have their
-    ``training`` flags read;
-    where every one keeps ``torch.nn.Module``'s ``train`` and ``__setattr__`` the flags are
-    written directly (what ``eval()`` does, without its walk through ``Module.__setattr__``:
-    ~10 us for a model of six modules), else each model gets its own ``eval()``. Returns
-    ``None`` when torch is not imported and no model was given.
+    ``training`` flags read; where every one keeps ``torch.nn.Module``'s ``train`` and
+    ``__setattr__`` the flags are written directly (what ``eval()`` does, without its walk
+    through ``Module.__setattr__``), else each model gets its own ``eval()``. Returns ``None``
+    when torch is not imported and no model was given.
     """
     if not models and "torch" not in sys.modules:
         return None
@@ -360,7 +359,7 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     keys: list[Any] = []
     composites: list[tuple[int, list[tuple[Any, int]]]] = []  # sparse and nested: row, parts
     add_row, add_key, ref = rows.append, keys.append, weakref.ref
-    make = tuple.__new__  # TensorRow(...) without its argument handling: 0.2 us, not 0.5
+    make = tuple.__new__  # TensorRow(...) without its argument handling
     for tensor in tensors:
         try:
             storage, pointer = owned_storage(tensor)
