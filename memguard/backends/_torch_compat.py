@@ -131,3 +131,27 @@ def dump_snapshot(torch: Any) -> Callable[[str], None]:
 # -- state_dict (checked with torch 2.13.0) -----------------------------------------------------
 STATE_DICT_METADATA = "_metadata"
 """Where a module's ``state_dict`` keeps its version metadata (``load_state_dict`` reads it)."""
+
+
+# -- tensor classes by their module paths, private ones too (checked with torch 2.13.0) ------------
+# torch's own tensor classes that never have an instance owning storage: wrappers whose data
+# lives in plain tensors (which the census finds on their own), fake and lazy placeholders,
+# and Buffer (its constructor returns a plain tensor). Leaving them out changes no census
+# result and shortens the collector's pass, whose cost grows with the classes it looks for.
+NO_STORAGE = frozenset({
+    "torch.nn.parameter.Buffer",
+    "torch._subclasses.fake_tensor.FakeTensor",
+    "torch._subclasses.functional_tensor.FunctionalTensor",
+    "torch.nn.parameter.UninitializedParameter",
+    "torch.nn.parameter.UninitializedBuffer",
+    "torch.masked.maskedtensor.core.MaskedTensor",
+    "torch.nested._internal.nested_tensor.NestedTensor",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensor",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUTLASS",
+    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUSPARSELT",
+    "torch.testing._internal.logging_tensor.LoggingTensor",
+    "torch.testing._internal.logging_tensor.LoggingTensorReentrant",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor._api.DTensor",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor",
+})

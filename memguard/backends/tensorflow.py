@@ -16,6 +16,7 @@ import sys
 import weakref
 from typing import Any, Optional
 
+from . import _tf_compat as compat
 from ._tf_compat import VARIABLE_HANDLE, runtime_initialized
 from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
@@ -165,39 +166,13 @@ def clear_keras_session() -> bool:
 
 
 # -- tensors ------------------------------------------------------------------------------------
-# TensorFlow's variable classes that never own memory themselves: abstract bases (the
-# metaclass hands out ResourceVariables), graph-only variables, and wrappers over component
-# variables that the census finds on their own (distributed, TPU, autocast). Leaving them out
-# shortens the collector's pass, whose cost grows with the classes it looks for, and keeps a
-# wrapper from counting its components' memory a second time.
-NO_STORAGE = frozenset({
-    "tensorflow.python.ops.variables.Variable",
-    "tensorflow.python.ops.variable_v1.VariableV1",
-    "tensorflow.python.ops.ref_variable.RefVariable",
-    "tensorflow.python.distribute.values.DistributedVariable",
-    "tensorflow.python.distribute.values.MirroredVariable",
-    "tensorflow.python.distribute.values.SyncOnReadVariable",
-    "tensorflow.python.distribute.tpu_values.TPUDistributedVariable",
-    "tensorflow.python.distribute.tpu_values.TPULazyDistributedVariable",
-    "tensorflow.python.distribute.tpu_values.TPUMirroredVariable",
-    "tensorflow.python.distribute.tpu_values.TPUSyncOnReadVariable",
-    "tensorflow.python.distribute.tpu_replicated_variable.TPUReplicatedVariable",
-    "tensorflow.python.distribute.packed_distributed_variable.PackedDistributedVariable",
-    "tensorflow.python.distribute.ps_values.AggregatingVariable",
-    "tensorflow.python.distribute.ps_values.CachingVariable",
-    "tensorflow.python.distribute.ps_values.PerWorkerVariable",
-    "tensorflow.python.keras.mixed_precision.autocast_variable.AutoCastVariable",
-    "tensorflow.python.tpu.tpu_embedding_v3.TPUEmbeddingShardedVariable",
-})
-
-
 def tensor_types() -> set[type]:
     """TensorFlow's eager tensor and variable classes whose instances can own memory (graph
     tensors hold none)."""
     tf = _tf()
     from tensorflow.python.framework import ops
 
-    return subclasses(ops.EagerTensor, tf.Variable, excluding=NO_STORAGE)
+    return subclasses(ops.EagerTensor, tf.Variable, excluding=compat.NO_STORAGE)
 
 
 def _device(name: str) -> str:

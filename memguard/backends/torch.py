@@ -292,33 +292,10 @@ def exit_inference(state: Optional[InferenceState]) -> None:
 
 
 # -- tensors ------------------------------------------------------------------------------------
-# torch's own tensor classes that never have an instance owning storage: wrappers whose data
-# lives in plain tensors (which the census finds on their own), fake and lazy placeholders,
-# and Buffer (its constructor returns a plain tensor). Leaving them out changes no census
-# result and shortens the collector's pass, whose cost grows with the classes it looks for.
-NO_STORAGE = frozenset({
-    "torch.nn.parameter.Buffer",
-    "torch._subclasses.fake_tensor.FakeTensor",
-    "torch._subclasses.functional_tensor.FunctionalTensor",
-    "torch.nn.parameter.UninitializedParameter",
-    "torch.nn.parameter.UninitializedBuffer",
-    "torch.masked.maskedtensor.core.MaskedTensor",
-    "torch.nested._internal.nested_tensor.NestedTensor",
-    "torch.sparse.semi_structured.SparseSemiStructuredTensor",
-    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUTLASS",
-    "torch.sparse.semi_structured.SparseSemiStructuredTensorCUSPARSELT",
-    "torch.testing._internal.logging_tensor.LoggingTensor",
-    "torch.testing._internal.logging_tensor.LoggingTensorReentrant",
-    "torch.distributed.tensor.DTensor",
-    "torch.distributed.tensor._api.DTensor",
-    "torch.distributed._functional_collectives.AsyncCollectiveTensor",
-})
-
-
 def tensor_types() -> set[type]:
     """``torch.Tensor`` and every subclass defined now whose instances can own storage
     (Parameter, the program's own subclasses; not torch's wrapper, fake and lazy classes)."""
-    return subclasses(_torch().Tensor, excluding=NO_STORAGE)
+    return subclasses(_torch().Tensor, excluding=compat.NO_STORAGE)
 
 
 
