@@ -80,3 +80,18 @@ def run_python(code: str, timeout: float = 120, env: dict[str, str] | None = Non
 @pytest.fixture
 def python_in_subprocess():
     return run_python
+
+
+# Plugins installed beside pytest that a session started by a test never uses: hypothesis's
+# imports hypothesis (about 1.5 s of every start), the others their own machinery.
+UNUSED_PLUGINS = " ".join(f"-p no:{name}" for name in (
+    "hypothesispytest", "anyio", "xdist", "xdist.looponfail", "pytest_cov"))
+
+
+@pytest.fixture
+def lean_pytest(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sessions of pytest that the test starts (pytester's, ``python -m pytest``) load no
+    plugin they do not use: a trivial session takes 0.6 s instead of 2.5 s."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
+    monkeypatch.setenv("PYTEST_ADDOPTS", UNUSED_PLUGINS)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from conftest import UNUSED_PLUGINS
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("lean_pytest")]
 
 LEAKY = """
 import pytest
@@ -541,7 +543,7 @@ def test_keeps_400_bytes():
 """
 
 
-def test_the_marker_judges_small_limits_as_memory_scope_does(pytester):
+def test_the_marker_judges_small_limits_as_memory_scope_does(pytester, monkeypatch):
     """Before: ``max_leak=0`` failed most tests that keep nothing (a few hundred bytes of the
     interpreter's bookkeeping in the in-use figure), which ``memory_scope(max_leak=0)`` passes
     on its census of the tensors created; the plugin now takes the scope's own verdict. A test
@@ -554,6 +556,7 @@ def test_the_marker_judges_small_limits_as_memory_scope_does(pytester):
     assert "float32[100] held by module test_small, global KEPT[0]" in out, out
     assert "no tensor that" not in out, out
     # under pytest-xdist, the same verdicts
+    monkeypatch.setenv("PYTEST_ADDOPTS", UNUSED_PLUGINS.replace("-p no:xdist ", ""))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
     result.assert_outcomes(passed=21, failed=1)
     assert "float32[100] held by module test_small, global KEPT[0]" in result.stdout.str()

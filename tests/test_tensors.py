@@ -265,19 +265,25 @@ def test_tensorflow_tensors_and_variables_are_counted(python_in_subprocess):
         import memguard
         KEEP = [tf.ones((100, 50)), tf.Variable(tf.zeros((20, 10))), torch.ones(30, 7)]
         ALIAS = KEEP[1].assign(tf.ones((20, 10)))  # an _UnreadVariable over the same handle
+        from memguard.backends import tensorflow as backend
+        # the handle (dtype resource) must not share its variable's storage key: whichever the
+        # census met first would count the storage, and the handle's bytes are zero
+        keys = [backend.tensor_facts(x)[3] for x in (KEEP[1].handle, KEEP[1], ALIAS)]
         census = memguard.live_tensors("cpu")
         infos = {tuple(i.shape): i for i in census if i.nbytes}
         a, v, t = infos[(100, 50)], infos[(20, 10)], infos[(30, 7)]
         print(json.dumps({"a": [a.framework, a.dtype, a.nbytes, a.holders],
                           "v": [v.framework, v.nbytes], "t": [t.framework, t.nbytes],
                           "variables": sum(i.nbytes for i in census if i.shape == (20, 10)),
-                          "alias_seen": any(i.id == id(ALIAS) for i in census)}))
+                          "alias_seen": any(i.id == id(ALIAS) for i in census),
+                          "handle_apart": keys[0] != keys[1] == keys[2]}))
     """)
     assert out["a"][:3] == ["tensorflow", "float32", 20_000]
     assert "module __main__, global KEEP[0]" in out["a"][3]
     assert out["v"] == ["tensorflow", 800]
     assert out["t"] == ["torch", 840]  # one census over both frameworks
     assert out["variables"] == 800 and out["alias_seen"]  # the alias is listed, counted once
+    assert out["handle_apart"]
 
 
 def test_sparse_and_nested_tensors_are_counted_by_their_parts():

@@ -190,8 +190,13 @@ def tensor_facts(tensor: Any) -> Optional[tuple]:
         nbytes = None if count is None else count * dtype.size
         # A variable's memory is its resource handle's: variables that share one (such as the
         # _UnreadVariable an assign returns) count it once.
+        # The handle itself (dtype resource) holds no data and is keyed apart: seen before its
+        # variable it would otherwise take the variable's bytes as its own zero.
         handle = getattr(tensor, VARIABLE_HANDLE, None)
-        key = ("tf", id(tensor if handle is None else handle))
+        if dtype.name == "resource":
+            key = ("tf-handle", id(tensor))
+        else:
+            key = ("tf", id(tensor if handle is None else handle))
         return (_device(tensor.device), dtype.name, shape, key, nbytes or 0, False)
     except (ValueError, AttributeError, RuntimeError, TypeError):
         return None
