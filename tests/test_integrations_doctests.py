@@ -15,6 +15,7 @@ from frameworks import installed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = {"memguard/integrations/keras.py": "keras",
            "memguard/integrations/lightning.py": "pytorch_lightning",
+           "memguard/integrations/_lightning_step.py": "pytorch_lightning",
            "memguard/integrations/transformers.py": "transformers",
            "memguard/integrations/_transformers_step.py": "transformers"}
 
