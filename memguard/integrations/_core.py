@@ -565,10 +565,10 @@ def causal_lm(module: Any) -> bool:
     if "transformers" not in sys.modules:
         return False
     try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
+        from ._transformers_compat import causal_lm_loss
 
         config = getattr(module, "config", None)
-        return (getattr(module, "loss_function", None) is ForCausalLMLoss
+        return (getattr(module, "loss_function", None) is causal_lm_loss()
                 and not getattr(config, "is_encoder_decoder", False))
     except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted
         return False

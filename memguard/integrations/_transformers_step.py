@@ -28,6 +28,7 @@ from ._core import (
     samples_in,
     token_weight,
 )
+from ._transformers_compat import loss_shifts_labels, prepare_inputs
 
 try:
     from transformers import TrainerCallback as _TrainerCallback
@@ -338,7 +339,7 @@ def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
 
     def loss(i: int, j: int, count: Any = items) -> float:
         made.append(1)
-        inputs = trainer._prepare_inputs(piece(i, j))  # noqa: SLF001 - as training_step
+        inputs = prepare_inputs(trainer, piece(i, j))  # as training_step does
         with probing(unwrapped), trainer.compute_loss_context_manager():
             return float(trainer.compute_loss(unwrapped, dict(inputs),
                                               num_items_in_batch=count))
@@ -542,7 +543,7 @@ def _default_weight(trainer: Any) -> Callable[[Any], Any]:
     """What a loss averages over when the Trainer passes no ``num_items_in_batch``: the
     labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
     Trainer counts), or the samples of a batch without labels."""
-    shifts = bool(getattr(trainer, "_loss_shifts_labels", False)) or _causal_loss(trainer)
+    shifts = loss_shifts_labels(trainer) or _causal_loss(trainer)
     return token_weight(shifts)
 
 

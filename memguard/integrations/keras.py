@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ._core import TRAIN, VAL, CallbackBase, missing
+from ._keras_compat import CALLBACK_MODEL
 
 try:
     import keras as _keras
@@ -66,7 +67,7 @@ class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
     """
 
     _framework = "keras"
-    _run_links = ("_model",)  # set by Keras at fit
+    _run_links = (CALLBACK_MODEL,)  # set by Keras at fit
 
     def _init_state(self) -> None:
         self._steps = 0
