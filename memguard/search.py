@@ -63,16 +63,17 @@ class _Search(Loop):
     retry_level = logging.INFO  # a search meets out-of-memory by design
 
     def __init__(self, step: Callable[[int], Any], start: int, max_batch_size: Optional[int],
-                 steps: int, policy: Policy, saved: Any) -> None:
+                 steps_per_trial: int, policy: Policy, saved: Any) -> None:
         super().__init__("find_batch_size", start, policy)
-        self.step, self.start, self.cap, self.repeat = step, start, max_batch_size, steps
+        self.step, self.start, self.cap = step, start, max_batch_size
+        self.repeat = steps_per_trial
         self.saved = saved
         self.good: Optional[int] = None
         self.bad: Optional[int] = None
         self.cut_short = False
 
     def trial(self) -> None:
-        """The body of one attempt: ``step(size)``, ``steps`` times."""
+        """The body of one attempt: ``step(size)``, ``steps_per_trial`` times."""
         for _ in range(self.repeat):
             self.step(self.size)
 
@@ -197,7 +198,8 @@ _SEARCHES: dict[str, type[_Search]] = {"binsearch": _Binsearch, "power": _Power,
 
 def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     max_batch_size: Optional[int] = None, mode: Mode = "binsearch",
-                    steps: int = 1, margin: float = 0.05, max_attempts: Optional[int] = 25,
+                    steps_per_trial: int = 1, margin: float = 0.05,
+                    max_attempts: Optional[int] = 25,
                     on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
                     cache: Union[bool, str, "os.PathLike[str]"] = False,
                     restore: Any = None) -> BatchSize:
@@ -235,20 +237,22 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     of a tiny GPT-2 under a 1 GiB host budget: the boundary moved by 6% between runs
     (167 and 177) and held in 1 of 2 fresh runs, while every size returned with the 5%
     margin held in 2 of 2. The margin covers that noise, not a trial that does less than
-    the run: the trial must reach the run's peak (``steps`` or a step that includes the
-    optimizer's state); one-step trials there found 201 where a three-step fit failed at
-    170.
+    the run: the trial must reach the run's peak (``steps_per_trial``, or a step that
+    includes the optimizer's state); one-step trials there found 201 where a three-step fit
+    failed at 170.
 
     Args:
         step: called with a batch size; runs what must fit (a training step, a forward).
-        start: the first size tried. Default ``1``.
+        start: the first size tried, and the smallest: the search grows from it (where
+            the other entry points' ``batch_size`` is where they shrink from). Default ``1``.
         max_batch_size: the largest size tried (``None``: no limit).
         mode: ``"binsearch"``, ``"power"`` or ``"predict"`` (above).
-        steps: calls of ``step`` per trial (memory often peaks in the second step, once
-            optimizer state exists). Default ``1``.
+        steps_per_trial: calls of ``step`` per trial (memory often peaks in the second
+            step, once optimizer state exists). Default ``1``.
         margin: the fraction taken off the largest size that fitted. Default ``0.05``.
         max_attempts: the most trials; the search then stops at the largest size that fitted,
-            with a warning. Default ``25``.
+            with a warning. Default ``25``, not ``None`` as elsewhere: a search grows, and
+            one whose step never runs out of memory would grow for ever.
         on_retry: called with each failed trial's :class:`Attempt` after its cleanup.
             Default ``None``: nothing is called.
         sync: in a distributed job every rank tries the same sizes (a size that fails on any
@@ -256,7 +260,9 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
         cache: ``True``: a later search with the same step and parameters in this process
             returns the size found without a trial; a file path: the same across processes
             and restarts (as ``oom_retry(cache=path)`` keeps its sizes); ``False``: search
-            every time.
+            every time. Default ``False``, unlike ``oom_retry``: a kept size is returned
+            without a trial, so one outdated by a change the key cannot see (a larger model,
+            longer inputs) would never be checked.
         restore: objects with ``state_dict``/``load_state_dict`` (model, optimizer...) put
             back to their state at the start before each trial and after the search, as
             Lightning's finder does: trials that train change the weights.
@@ -278,7 +284,7 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     """
     who = "find_batch_size"
     start = positive_int(start, "start", who=who)  # as ints, whatever integral type came
-    steps = positive_int(steps, "steps", who=who)
+    steps_per_trial = positive_int(steps_per_trial, "steps_per_trial", who=who)
     if max_batch_size is not None:
         max_batch_size = positive_int(max_batch_size, "max_batch_size", who=who)
     if max_batch_size is not None and max_batch_size < start:
@@ -291,7 +297,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     if not isinstance(cache, bool):
         cache = check_path(cache)
     objects = torch_state.check_restorable(restore)
-    key = size_key(who, step, start, max_batch_size=max_batch_size, mode=mode, steps=steps,
+    key = size_key(who, step, start, max_batch_size=max_batch_size, mode=mode,
+                   steps_per_trial=steps_per_trial,
                    max_attempts=max_attempts)
     file = SizeFile(cache) if isinstance(cache, str) else None
     stored = _FOUND.get(key) if cache is True else file.get(key) if file is not None else None
@@ -303,7 +310,7 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
     saved = (torch_state.copy_states(objects, budget_available("host"))
              if objects else None)
     try:
-        search = _SEARCHES[mode](step, start, max_batch_size, steps, policy, saved)
+        search = _SEARCHES[mode](step, start, max_batch_size, steps_per_trial, policy, saved)
         for attempt in search:
             with attempt:
                 search.trial()

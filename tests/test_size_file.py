@@ -230,9 +230,9 @@ def test_find_batch_size_keeps_a_size_per_search(tmp_path, first, second):
     assert trials == []  # each search's own entry
 
 
-def test_steps_is_part_of_the_key(tmp_path):
-    assert (size_key("find_batch_size", _fits, 4, "host", steps=1)
-            != size_key("find_batch_size", _fits, 4, "host", steps=2))
+def test_steps_per_trial_is_part_of_the_key(tmp_path):
+    assert (size_key("find_batch_size", _fits, 4, "host", steps_per_trial=1)
+            != size_key("find_batch_size", _fits, 4, "host", steps_per_trial=2))
 
 
 def test_the_key_names_the_code_readably():

@@ -472,6 +472,21 @@ def test_find_batch_size_remembers_its_size_in_a_file(tmp_path):
     assert searched > 5 and trials == []  # no trial at all
 
 
+def test_find_batch_size_calls_the_step_steps_per_trial_times_at_each_size():
+    calls = []
+
+    def step(batch_size):
+        calls.append(batch_size)
+        if batch_size > 8 and calls.count(batch_size) > 1:  # the peak comes at the 2nd step
+            raise MemoryError("out of memory in the second step")
+
+    found = memguard.find_batch_size(step, margin=0.0, start=2, steps_per_trial=2, mode="power")
+    assert found == 8 and calls[:6] == [2, 2, 4, 4, 8, 8]
+    assert all(attempt.steps is None for attempt in found.history)  # Attempt.steps: slices
+    with pytest.raises(TypeError, match="steps"):
+        memguard.find_batch_size(step, steps=2)  # one name: steps_per_trial
+
+
 # -- CUDA ----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
