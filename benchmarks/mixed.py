@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from benchmarks.common import TRAIN_UNDER_BUDGET, Result, run_python
+import json
+import os
+import time
+
+from benchmarks.common import ROOT, TRAIN_UNDER_BUDGET, Result, run_python
 
 WORKLOAD = """
 import json, math, random, resource, time
@@ -61,6 +65,30 @@ print(json.dumps({{"seconds": seconds, "failed": failed, "history": history,
 
 ENV = {"MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 BUDGET = 250  # MiB over the warmed-up process: 16 x 512 tokens does not fit, 8 x 512 does
+BATCHES = os.path.join(ROOT, "benchmarks", "mixed_lengths.json")
+"""Where a full run keeps its per-batch record (``python benchmarks/plot.py --mixed`` draws it
+into the out-of-memory guide's figure)."""
+
+
+def keep_batches(runs: dict, steps: int, path: str = BATCHES) -> str:
+    """Write the per-batch record of a run, one batch a line: its length, tokens and the
+    per-batch best slice count (from the probe), and the attempts (``[size, ok, slices,
+    recompute]``) of the cost-planned run (``cost``) and of the sample-counted one
+    (``samples``)."""
+    probe, lengths = runs["probe"]["probe"], runs["probe"]["lengths"]
+    head = {"benchmark": "12 mixed lengths", "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "batch": 16, "budget_mib": BUDGET, "steps": steps, "probe": probe,
+            "seconds": {mode: round(runs[mode]["seconds"], 2)
+                        for mode in ("cost", "samples", "checkpointing")}}
+    batches = [{"length": n, "tokens": 16 * n, "best": -(-16 // probe[str(n)]),
+                "cost": cost, "samples": samples}
+               for n, cost, samples in zip(lengths, runs["cost"]["history"],
+                                           runs["samples"]["history"], strict=True)]
+    text = json.dumps(head, indent=1)[:-2]
+    text += ',\n "batches": [\n  ' + ",\n  ".join(json.dumps(b) for b in batches) + "\n ]\n}\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return path
 
 
 def mixed(quick: bool) -> list[Result]:
@@ -74,11 +102,14 @@ def mixed(quick: bool) -> list[Result]:
     under the budget (the best static split per batch). Reported: slices run over the run
     against the per-batch best, failed passes, wall time against the sample-counted run and
     against gradient checkpointing, and the largest relative weight difference from the
-    reference (a sample of every 97th weight).
+    reference (a sample of every 97th weight). A full run keeps each batch's record in
+    ``benchmarks/mixed_lengths.json`` (:func:`keep_batches`).
     """
     steps = 12 if quick else 24
     runs = {mode: run_python(WORKLOAD.format(mode=mode, budget=BUDGET, steps=steps), env=ENV)
             for mode in ("reference", "probe", "cost", "samples", "checkpointing")}
+    if not quick:
+        keep_batches(runs, steps)
     probe, lengths = runs["probe"]["probe"], runs["probe"]["lengths"]
     best = sum(-(-16 // probe[str(n)]) for n in lengths)
     reference = runs["reference"]["weights"]
