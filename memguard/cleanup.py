@@ -235,11 +235,14 @@ class Backoff:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one cleanup did: bytes released, whether it collected, readings afterwards."""
+    """What one cleanup did: bytes released, whether it collected, readings afterwards, and
+    whether it did nothing but read (``idle``: its readings are the memory as the block
+    left it)."""
 
     freed: int
     collected: bool
     after: Readings
+    idle: bool = False
 
 
 class Settler:
@@ -274,7 +277,7 @@ class Settler:
         collect = bool(held) and self._gc_ready()
         if not collect and not self._swollen(pairs, now, entry):
             self._cache_last = False
-            return Outcome(0, False, now)
+            return Outcome(0, False, now, idle=True)
         with interrupts_after():  # only where it acts: holding Ctrl-C costs ~10 us
             return self._act(pairs, entry, kind, now, held if collect else [])
 

@@ -24,7 +24,7 @@ from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
 from .errors import MemoryLeakError
 from .holders import describe_leaks
-from .snapshot import MemorySnapshot, snapshot
+from .snapshot import MemorySnapshot, compose, snapshot
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,19 +37,27 @@ class _PeakBook:
         self._lock = ForkSafeLock()
         self._open: dict[str, dict[int, int]] = {}
 
-    def enter(self, token: int, pairs: Pairs) -> None:
+    def enter(self, token: int, pairs: Pairs,
+              counters: Optional[dict[str, Optional[int]]] = None) -> None:
+        """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
+        peak counter as read before its reset."""
         with self._lock:
             for backend, device in pairs:
                 running = self._open.setdefault(device, {})
                 counter = _safe(backend.read_peak, device)
+                if counters is not None:
+                    counters[device] = counter
                 if counter is not None:
                     for other, value in running.items():
                         running[other] = max(value, counter)
                 _safe(backend.reset_peak, device)
-                start = _safe(backend.read_peak, device)
+                start = _safe(backend.peak_after_reset, device)
                 running[token] = -1 if start is None else start
 
-    def exit(self, token: int, pairs: Pairs) -> dict[str, Optional[int]]:
+    def exit(self, token: int, pairs: Pairs,
+             counters: Optional[dict[str, Optional[int]]] = None) -> dict[str, Optional[int]]:
+        """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
+        (where given) receives each device's peak counter as read."""
         peaks: dict[str, Optional[int]] = {}
         with self._lock:
             for backend, device in pairs:
@@ -58,6 +66,8 @@ class _PeakBook:
                 if not running:
                     self._open.pop(device, None)
                 counter = _safe(backend.read_peak, device)
+                if counters is not None:
+                    counters[device] = counter
                 best = max(value, -1 if counter is None else counter)
                 peaks[device] = None if best < 0 else best
         return peaks
@@ -217,11 +227,15 @@ class MemoryScope:
         self._census = self.track_tensors or census_needed(self.max_leak)
         if self._census:
             self._tensors_before = tensor_ids()
-        self.before = snapshot([d for _, d in self._pairs])
-        peak_book.enter(id(self), self._pairs)
+        when = time.time()
+        counters: dict[str, Optional[int]] = {}
+        peak_book.enter(id(self), self._pairs, counters)
         emit(f"enter {self._title()}")
-        # what the block keeps is measured from here, after the scope's own entry work
+        # what the block keeps is measured from here, after the scope's own entry work; the
+        # snapshot on entry takes this reading and the peak counters the book read before
+        # its reset (each a /proc read that costs tens of microseconds next to a step)
         self._entry = read_all(self._pairs)
+        self.before = compose(self._pairs, self._entry, counters, when)
         self._start = time.perf_counter()
         return self
 
@@ -257,14 +271,21 @@ class MemoryScope:
         self.elapsed = time.perf_counter() - self._start
         self._active = False
         emit(f"exit {self._title()}")
-        self.peak = peak_book.exit(id(self), self._pairs)
+        counters: dict[str, Optional[int]] = {}
+        self.peak = peak_book.exit(id(self), self._pairs, counters)
         assert self.before is not None
         entry: Readings = self._entry or {d: Reading(m.allocated, m.reserved)
                                           for d, m in self.before.devices.items()}
         settler = settler_for(self.cleanup)
-        if settler is not None:
-            self.freed = settler.settle(self._pairs, entry).freed
-        self.after = snapshot([d for _, d in self._pairs])
+        when = time.time()
+        if settler is None:
+            self.after = compose(self._pairs, read_all(self._pairs), counters, when)
+        else:
+            outcome = settler.settle(self._pairs, entry)
+            self.freed = outcome.freed
+            # a cleanup that only read leaves its readings and the book's counters current
+            self.after = compose(self._pairs, outcome.after, counters, when) \
+                if outcome.idle else snapshot([d for _, d in self._pairs])
         self._measure(entry)
         if (settler is not None and self.max_leak is not None
                 and any(n > self.max_leak for n in self.retained.values())):

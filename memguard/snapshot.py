@@ -8,8 +8,8 @@ import types
 from typing import Any, Iterator, Mapping, Optional
 
 from ._units import format_bytes, format_table
-from .backends import DeviceMemory, Devices, resolve_devices
-from .backends.budget import Budget, budget
+from .backends import UNKNOWN, Backend, DeviceMemory, Devices, Reading, resolve_devices
+from .backends.budget import Budget, budgets
 
 _FIELDS = ("allocated", "reserved", "peak", "free", "total")
 
@@ -125,14 +125,27 @@ def snapshot(devices: Devices = None) -> MemorySnapshot:
     return MemorySnapshot(read, when, budgets=_budgets(read))
 
 
+def compose(pairs: list[tuple[Backend, str]], readings: Mapping[str, Reading],
+            peaks: Mapping[str, Optional[int]], when: float) -> MemorySnapshot:
+    """The snapshot :func:`snapshot` would take of ``pairs`` now, where each device's
+    ``readings`` (``read_fast``) and ``peaks`` (``read_peak``) were just taken and nothing
+    ran since (a scope's entry and its exit): each backend reads only what they lack
+    (``Backend.read_with``); ``when`` is the ``time.time()`` of those readings."""
+    read = {d: b.read_with(d, readings.get(d, UNKNOWN), peaks.get(d)) for b, d in pairs}
+    return MemorySnapshot(read, when, budgets=_budgets(read))
+
+
 def _budgets(devices: Mapping[str, DeviceMemory]) -> dict[str, Budget]:
     found = {}
-    for name in devices:
+    for name, mem in devices.items():
         if name == "host" or name.startswith("cuda:"):
+            # the host's physical memory as the reading just took it: /proc/meminfo read once
+            physical = (mem.total, mem.free) if name == "host" and mem.total is not None \
+                and mem.free is not None else None
             try:
-                binding = budget(name)
+                known = budgets(name, physical=physical)  # as budget(name): tightest first
             except Exception:  # noqa: BLE001 - a budget that cannot be read is not known
-                binding = None
-            if binding is not None:
-                found[name] = binding
+                known = []
+            if known:
+                found[name] = known[0]
     return found

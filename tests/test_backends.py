@@ -60,6 +60,73 @@ def test_host_peak_resets_to_the_current_level():
     assert abs(low - host.rss()) < 8 * MiB
 
 
+
+def test_peak_reset_in_a_forked_child_resets_the_childs_peak_not_the_parents(
+        python_in_subprocess):
+    # clear_refs is written through a descriptor kept open: one inherited over fork would
+    # write /proc/<parent>/clear_refs
+    out = python_in_subprocess("""
+        import json, os
+        from memguard.backends import host
+        host.reset_peak()  # the parent's descriptor is open from here
+        block = bytearray(300 * 2**20)
+        del block
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            host.reset_peak()
+            os.write(write, str(host.read_peak()).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(json.dumps({"child": int(os.read(read, 64)), "parent": host.read_peak(),
+                          "rss": host.rss()}))
+    """)
+    assert out["parent"] - out["rss"] > 250 * MiB  # the parent keeps its own peak
+    assert out["child"] - out["rss"] < 100 * MiB
+
+
+def test_physical_memory_reads_as_psutil_does():
+    import psutil
+
+    total, available = host.physical()
+    vm = psutil.virtual_memory()
+    assert total == vm.total
+    assert abs(available - vm.available) < 64 * MiB  # read a moment apart
+    assert memguard.snapshot()["host"].total == vm.total
+
+
+def test_cgroup_files_kept_open_read_every_change(tmp_path):
+    from memguard.backends.host import _CgroupReader
+
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/job/worker\n")
+    for folder, limit, current in (("job", "1073741824", "900000000"),
+                                   ("job/worker", "max", "800000000"),
+                                   ("other", "3221225472", "100")):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / "memory.max").write_text(limit + "\n")
+        (tmp_path / folder / "memory.current").write_text(current + "\n")
+    reader = _CgroupReader(str(tmp_path), str(membership))
+    try:
+        assert reader.read() == (1 << 30, 900000000)
+        (tmp_path / "job" / "memory.current").write_text("950000000\n")  # used moves
+        assert reader.read() == (1 << 30, 950000000)
+        (tmp_path / "job" / "memory.max").write_text("2147483648\n")  # the limit is raised
+        assert reader.read() == (2 << 30, 950000000)
+        (tmp_path / "job" / "worker" / "memory.max").write_text("1073741824\n")
+        assert reader.read() == (1 << 30, 800000000)  # the tighter one binds
+        membership.write_text("0::/other\n")  # the process moved to another cgroup
+        assert reader.read() == (3 << 30, 100)
+        membership.write_text("0::/job/fresh\n")  # a level without its files yet
+        assert reader.read() == (2 << 30, 950000000)
+        (tmp_path / "job" / "fresh").mkdir()
+        (tmp_path / "job" / "fresh" / "memory.max").write_text("1000\n")
+        (tmp_path / "job" / "fresh" / "memory.current").write_text("10\n")
+        reader.RECHECK = 0.0  # the files that exist are looked for again once it is past
+        assert reader.read() == (1000, 10)
+    finally:
+        reader.close()
+
 @pytest.mark.slow
 def test_free_memory_trims_what_glibc_keeps_after_del(python_in_subprocess):
     """The measured fact behind the host backend: RSS stays up after ``del`` until a trim.

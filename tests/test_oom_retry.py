@@ -342,3 +342,34 @@ def test_other_exceptions_leave_an_async_function_untouched_with_their_traceback
     assert info.value is error and info.traceback[-1].name == "train"
     assert info.value.__cause__ is None and info.value.__context__ is None
     assert [a.ok for a in train.history] == []
+
+
+def test_a_function_whose_code_changes_is_bound_by_its_new_signature():
+    # the signature is computed once per function and kept while its code and defaults are
+    # the same: a changed function must not be bound by the old one
+    def train(batch_size):
+        return ("old", batch_size)
+
+    guarded = memguard.oom_retry(batch_size=4)(train)
+    assert guarded() == ("old", 4)
+
+    def replacement(prefix, batch_size=4):
+        return (prefix, batch_size)
+
+    train.__code__ = replacement.__code__
+    train.__defaults__ = replacement.__defaults__
+    assert guarded("new") == ("new", 4)
+    assert guarded("new", batch_size=2) == ("new", 2)
+
+
+def test_a_method_is_bound_as_a_method_after_the_function_was_called_plainly():
+    class Trainer:
+        @memguard.oom_retry(batch_size=8)
+        def fit(self, batch_size):
+            return (self, batch_size)
+
+    trainer = Trainer()
+    assert Trainer.fit(trainer) == (trainer, 8)  # unbound: self is an argument
+    assert trainer.fit() == (trainer, 8)  # bound: self is not
+    assert trainer.fit(batch_size=4) == (trainer, 4)
+    assert Trainer.fit(trainer, 2) == (trainer, 2)

@@ -211,6 +211,18 @@ class Backend(abc.ABC):
         (the host's ``"resident"``: the resident set for both fields)."""
         return self.read_fast(device)
 
+    def read_with(self, device: str, reading: Reading, peak: Optional[int]) -> DeviceMemory:
+        """:meth:`read`, where ``reading`` (:meth:`read_fast`) and ``peak`` (:meth:`read_peak`)
+        were just taken and nothing ran since: a backend that can use them reads only the
+        rest (the host: its physical memory); by default everything is read again.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+            reading: the device's ``(allocated, reserved)`` just read.
+            peak: the device's peak counter just read (``None``: not read).
+        """
+        return self.read(device)
+
     def read_peak(self, device: str) -> Optional[int]:
         """The device's peak counter (bytes), or ``None`` if it has none.
 
@@ -226,6 +238,15 @@ class Backend(abc.ABC):
         Args:
             device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
         """
+
+    def peak_after_reset(self, device: str) -> Optional[int]:
+        """The peak counter just after :meth:`reset_peak`: :meth:`read_peak` unless the
+        backend knows it without reading the counter again.
+
+        Args:
+            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
+        """
+        return self.read_peak(device)
 
     @abc.abstractmethod
     def empty_cache(self) -> None:

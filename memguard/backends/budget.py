@@ -110,10 +110,19 @@ class Budget:
                 f"{format_bytes(self.used)} used, {format_bytes(self.available)} available")
 
 
-def budgets(device: str = "host") -> list[Budget]:
+def budgets(device: str = "host", *,
+            physical: Optional[tuple[int, int]] = None) -> list[Budget]:
     """Every budget known to be in force on ``device`` (``"host"`` or ``"cuda:N"``; other
     devices have none known), tightest first. Reading takes microseconds and never
     initialises a device.
+
+    Args:
+        device: ``"host"`` or ``"cuda:N"``. Default ``"host"``.
+        physical: the host's physical memory ``(total, available)`` in bytes, where the
+            caller has just read it (a snapshot reads it once); ``None`` reads it.
+
+    Returns:
+        The budgets, the one with the least available first.
 
     >>> budgets("host")[-1].kind
     'physical memory'
@@ -128,11 +137,12 @@ def budgets(device: str = "host") -> list[Budget]:
         group = cgroup_memory_budget()
         if group is not None:
             found.append(Budget(device, "cgroup memory.max", group[0], group[1]))
-        import psutil
+        if physical is None:
+            from .. import backends  # the package's host backend (not the module host.py)
 
-        vm = psutil.virtual_memory()
-        found.append(Budget(device, "physical memory", int(vm.total),
-                            int(vm.total) - int(vm.available)))
+            physical = backends.host.physical()
+        total, free = physical  # psutil's figures, without its open and parse
+        found.append(Budget(device, "physical memory", total, total - free))
     elif device.startswith("cuda"):
         index = int(device.partition(":")[2] or 0)
         cuda = torch_backend.cuda_budget(index)
