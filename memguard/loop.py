@@ -85,6 +85,8 @@ class Attempt:
             success, and for a failure after which no smaller size was tried).
         recompute: ``auto_microbatch`` ran this pass with the model's activations
             recomputed in backward (its rung below one sample).
+        offload: ``auto_microbatch`` ran this pass with the tensors saved for backward
+            kept in pinned host memory (its rung after recompute, on an accelerator).
 
     >>> from memguard import Attempt
     >>> str(Attempt(size=64, ok=True, seconds=0.5))
@@ -104,6 +106,7 @@ class Attempt:
     snapshot_path: Optional[str] = None
     next_size: Optional[int] = None
     recompute: bool = False
+    offload: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the snapshot as its own ``to_dict()``)."""
@@ -119,8 +122,10 @@ class Attempt:
             steps = f" ({self.steps} slices)"
         else:
             steps = f" x{self.steps} steps"
-        if self.recompute:
-            steps += " with recompute"
+        rungs = [rung for rung, on in (("recompute", self.recompute),
+                                       ("offload", self.offload)) if on]
+        if rungs:
+            steps += " with " + " and ".join(rungs)
         if self.ok:
             return f"{name}={self.size}{steps}: ok in {self.seconds:.3f} s"
         upcoming = "" if self.next_size is None else f"; next {name}={self.next_size}"

@@ -62,7 +62,12 @@ from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, batch_elements, plan_batch
 from .backends import torch_distributed
-from .backends.steps import torch_fsdp, torch_recompute, torch_training as training
+from .backends.steps import (
+    torch_fsdp,
+    torch_offload,
+    torch_recompute,
+    torch_training as training,
+)
 from .cleanup import free_memory
 from .distributed import OK, Agreement, Sync
 from .errors import MemguardError, OutOfMemoryError, oom_kind
@@ -139,7 +144,7 @@ class _Config:
                  grow_every: Optional[int], scaler: Any, sharded: bool,
                  weight: Optional[Callable[[Any], Any]] = None,
                  recompute: bool = True,
-                 cost: Optional[Callable[[Any], Any]] = None) -> None:
+                 cost: Optional[Callable[[Any], Any]] = None, offload: bool = True) -> None:
         self.name = name_of(func)
         self.called = f"{self.name}()"
         target = getattr(func, "__func__", func)
@@ -153,6 +158,7 @@ class _Config:
         self.weight = weight
         self.cost = cost
         self.recompute = recompute
+        self.offload = offload
         self.grow_every = grow_every
         self.scaler = scaler
         # FSDP's forward gathers parameters into tensors of its own: they are the graph's
@@ -294,6 +300,10 @@ class _Step(Loop):
         self.per_sample = _UNREAD
         self.fallback = None
         self.recomputing = False  # this batch's passes recompute activations (torch_recompute)
+        # this batch's passes keep saved tensors in pinned host memory of this accelerator
+        # (torch_offload), None when they do not
+        self.offloading: Optional[str] = None
+        self.host_oom = False  # the last failure was the host's memory running out
         if found is None:
             params, slots = training.trained(cfg.model)
             hooked = training.fused_steps(params, cfg.ddp)
@@ -558,10 +568,14 @@ class _Step(Loop):
 
     def _pass(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Forward and backward of every slice; the summed weighted loss, detached."""
-        if self.recomputing:
-            with torch_recompute.recomputing(self.cfg.model):
-                return self._slices(wrapped, args, kwargs)
-        return self._slices(wrapped, args, kwargs)
+        if not self.recomputing and self.offloading is None:
+            return self._slices(wrapped, args, kwargs)
+        with contextlib.ExitStack() as rungs:
+            if self.offloading is not None:  # outermost: checkpoint's own hooks nest inside
+                rungs.enter_context(torch_offload.offloading(self.offloading))
+            if self.recomputing:
+                rungs.enter_context(torch_recompute.recomputing(self.cfg.model))
+            return self._slices(wrapped, args, kwargs)
 
     def _slices(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         cfg, n = self.cfg, self.samples
@@ -685,22 +699,44 @@ class _Step(Loop):
             return size
         upcoming = super().propose(estimate)
         cfg, policy = self.cfg, self.cfg.policy
-        if upcoming is None and cfg.recompute and not self.recomputing and not cfg.sharded \
-                and self.size <= policy.min_batch_size \
-                and (policy.max_attempts is None or self.tries < policy.max_attempts) \
-                and torch_recompute.available(cfg.model):
-            # the last rung: the same slices, their activations recomputed in backward
+        if upcoming is not None or cfg.sharded or self.offloading is not None \
+                or self.size > policy.min_batch_size \
+                or (policy.max_attempts is not None and self.tries >= policy.max_attempts):
+            return upcoming
+        # the rungs below the smallest slice: the same slices, with fewer activations kept
+        recompute = cfg.recompute and torch_recompute.available(cfg.model)
+        if recompute and not self.recomputing:
+            # their activations recomputed in backward
             self.recomputing = True
             log.warning("%s: out of memory at microbatch_size=%d, the smallest; redoing "
                         "this batch with its activations recomputed (gradient "
                         "checkpointing of the model's blocks)", cfg.name, self.size)
             return self.size
-        return upcoming
+        # then, on an accelerator, the tensors backward needs kept in pinned host memory
+        # (with recompute, where it ran: checkpoints' inputs go to the host too); not after
+        # the host's own memory ran out
+        kind = torch_offload.device_type(cfg.model) if cfg.offload and not self.host_oom \
+            else None
+        if kind is None:
+            return None
+        self.offloading = kind
+        log.warning("%s: out of memory at microbatch_size=%d%s; redoing this batch with the "
+                    "tensors saved for backward in pinned host memory (offloaded from %s)",
+                    cfg.name, self.size,
+                    " with activations recomputed" if self.recomputing else ", the smallest",
+                    kind)
+        return self.size
 
     def record(self, attempt: Attempt) -> None:
-        if self.recomputing:
-            attempt = dataclasses.replace(attempt, recompute=True)
+        if self.recomputing or self.offloading is not None:
+            attempt = dataclasses.replace(attempt, recompute=self.recomputing,
+                                          offload=self.offloading is not None)
         super().record(attempt)
+
+    def _exit(self, exc: Optional[BaseException]) -> bool:
+        # which memory ran out decides whether offloading to the host can help
+        self.host_oom = isinstance(exc, Exception) and oom_kind(exc) in _HOST_KINDS
+        return super()._exit(exc)
 
     def after_oom(self, agreed: int) -> Optional[int]:
         if self.watching:  # every rank runs the same slices: FSDP's collectives pair up
@@ -719,7 +755,10 @@ class _Step(Loop):
             self.buffers.load()
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
-        return free_memory()
+        freed = free_memory()
+        if self.offloading is not None:  # the failed pass's pinned blocks, now unused
+            torch_offload.release()
+        return freed
 
     def peer_gave_up(self) -> OutOfMemoryError:
         if self.culprit is not None:
@@ -873,6 +912,8 @@ def _whole_fits(cfg: _Config, plan: Plan, planned: Optional[int]) -> bool:
 
 
 _UNREAD: Any = object()  # a batch's cost per sample not read yet (None: nothing to count)
+# out-of-memory kinds (errors.oom_kind) that say the host ran out: offloading cannot help
+_HOST_KINDS = frozenset({"torch CPU allocator", "MemoryError", "torch memory mapping"})
 
 
 def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
@@ -921,7 +962,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
                     reduction: Reduction = "mean",
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None,
-                    recompute: bool = True, cost: Optional[Callable[[Any], Any]] = None
+                    recompute: bool = True, cost: Optional[Callable[[Any], Any]] = None,
+                    offload: bool = True
                     ) -> Callable[[Callable[P, R_co]], MicrobatchedFunction[P, R_co]]:
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
@@ -1011,7 +1053,17 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             the model's ``ModuleList`` and ``Sequential`` containers under non-reentrant
             ``torch.utils.checkpoint``, or a Hugging Face model's
             ``gradient_checkpointing_enable()``), for that batch only; the attempts it ran
-            have ``recompute=True``. ``False``: give up there. Default ``True``.
+            have ``recompute=True``. ``False``: no recompute (the ``offload`` rung may
+            still follow). Default ``True``.
+        offload: on a CUDA, ROCm or XPU device, when that batch still runs out of memory
+            at ``min_batch_size`` (with recompute where it ran, or where the model has no
+            blocks to recompute), redo it once more with the tensors autograd saves for
+            backward kept in pinned host memory
+            (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), recompute still on:
+            what stays on the device is the parameters, their gradients and one block's
+            activations at a time. For that batch only; the attempt it ran has
+            ``offload=True``. Never on the CPU (nothing to move), nor after the host's own
+            memory ran out. ``False``: give up there. Default ``True``.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole
@@ -1071,7 +1123,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
         cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight,
-                      bool(recompute), cost)
+                      bool(recompute), cost, bool(offload))
         state = _State()
         lock = _model_lock(model)
 

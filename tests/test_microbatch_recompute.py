@@ -236,3 +236,162 @@ def test_blocks_get_their_forwards_back_after_an_error():
     assert seen == ["3 blocks checkpointed", True]  # the inner Sequential inside its own
     assert all("forward" not in vars(b) for b in blocks)
     assert not _recompute.available(torch.nn.Linear(4, 4))  # nothing to checkpoint
+
+
+# -- the offload rung (after recompute; CUDA, ROCm, XPU only) ------------------------------------
+
+def _stack(torch, blocks, width):
+    """A residual stack: ``blocks`` blocks (Linear width -> width, GELU, Linear width ->
+    width), then a head to one output."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(width, width)
+            self.down = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    return torch.nn.Sequential(*[Block() for _ in range(blocks)], torch.nn.Linear(width, 1))
+
+
+@pytest.mark.parametrize("error", ["cpu allocator", "says cuda"])
+@pytest.mark.parametrize("blocks", [3, 0])
+def test_offload_never_runs_on_the_cpu(error, blocks, caplog):
+    """A model on the CPU: after the smallest slice (and recompute, where the model has
+    blocks) ran out of memory, no offload pass is tried, even when the error names a CUDA
+    device, and the step ends with memguard's error listing every size tried."""
+    torch = pytest.importorskip("torch")
+    import memguard
+
+    torch.manual_seed(0)
+    model = _stack(torch, blocks, 8) if blocks else torch.nn.Linear(8, 1)
+
+    @memguard.auto_microbatch(model)
+    def step(batch):
+        if error == "cpu allocator":
+            torch.empty(1 << 50, dtype=torch.uint8)  # the CPU allocator's real error
+        else:  # what a CUDA library called inside the step could raise
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return model(batch).pow(2).mean()
+
+    caplog.set_level("INFO", logger="memguard")
+    with pytest.raises(memguard.OutOfMemoryError) as raised:
+        step(torch.ones(2, 8))
+    rows = [[a.size, a.ok, a.recompute, a.offload] for a in step.history]
+    below = [[1, False, True, False]] if blocks else []  # the recompute rung, where it ran
+    assert rows == [[2, False, False, False], [1, False, False, False], *below], rows
+    assert raised.value.attempts == step.history
+    text = str(raised.value)
+    assert "every microbatch_size tried for a batch of 2: 2 (" in text, text
+    assert text.count("); 1 (") == 1 + len(below) and "Not even one sample fits" in text, text
+    told = [r.getMessage() for r in caplog.records if r.name == "memguard"]
+    assert not any("pinned host memory" in m for m in told), told
+    assert all(p.grad is None for p in model.parameters())  # nothing left of the passes
+
+
+def test_offload_with_recompute_keeps_the_plain_gradients():
+    """The rung's two contexts nested as a pass enters them (saved tensors to the host
+    outermost, the blocks checkpointed inside), run directly on the CPU where the copies
+    are plain: the gradients are plain torch's, and the blocks' forwards come back."""
+    torch = pytest.importorskip("torch")
+    from memguard.backends.steps import torch_offload, torch_recompute
+
+    torch.manual_seed(0)
+    model = _stack(torch, 4, 16)
+    x, y = torch.randn(3, 32, 16), torch.randn(3, 32, 1)
+
+    def grads():
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    with torch_offload.offloading("cuda"), torch_recompute.recomputing(model) as what:
+        both = grads()
+    assert what == "5 blocks checkpointed"  # the head too
+    assert all("forward" not in vars(b) for b in list(model)[:4])
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(plain, both,
+                                                                       strict=True))
+    assert torch_offload.device_type(model) is None  # the CPU: the rung never runs here
+
+    # a saved tensor is a copy in host memory inside, the tensor itself once out (an error
+    # leaves no hook behind either)
+    def copied(a):
+        return (a * a).grad_fn._saved_self.data_ptr() != a.data_ptr()
+
+    a = torch.randn(4, requires_grad=True)
+    inside = []
+
+    def interrupted():
+        with torch_offload.offloading("cuda"):
+            inside.append(copied(a))
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        interrupted()
+    assert inside == [True] and not copied(a)
+
+
+def _capped_rung(recompute: bool, offload: bool) -> dict:
+    """On CUDA: one sample of 16,384 positions through a 32-block residual stack (width
+    256): about 1.6 GiB saved for backward in a plain pass, about 530 MiB with every block
+    recomputed (each checkpoint keeps its 16 MiB input), about 150 MiB with those inputs in
+    pinned host memory too, under a cap of 340 MiB over the model, its data and cuBLAS's
+    workspace (``torch.cuda.set_per_process_memory_fraction``). The reference is the same
+    step, plain and uncapped. Returns the history and the gradients' relative difference."""
+    import torch
+
+    import memguard
+
+    torch.manual_seed(0)
+    model = _stack(torch, 32, 256).cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, 16384, 256, device="cuda", generator=g)
+    y = torch.randn(1, 16384, 1, device="cuda", generator=g)
+
+    def loss_of(batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    loss_of((x, y)).backward()  # the reference, uncapped (cuBLAS's workspace made too)
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    memguard.free_memory()
+    total = torch.cuda.get_device_properties(0).total_memory
+    base = torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction((base + 340 * 2**20) / total)
+    try:
+        step = memguard.auto_microbatch(model, recompute=recompute, offload=offload)(loss_of)
+        try:
+            step((x, y))
+            error = None
+        except memguard.OutOfMemoryError as exc:
+            error = str(exc)
+        grads = [p.grad for p in model.parameters()]
+        worst = None if error else max(
+            ((a - b).norm() / b.norm()).item() for a, b in zip(grads, reference, strict=True))
+        return {"history": [[a.size, a.ok, a.recompute, a.offload] for a in step.history],
+                "error": error, "relative": worst}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        memguard.free_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [True, False])
+def test_offload_runs_after_recompute_on_cuda_with_plain_gradients(recompute):
+    """Under the cap the plain pass and the recomputed one run out; the offloaded pass (with
+    recompute where it is on) fits, and its gradients are the uncapped step's."""
+    out = _capped_rung(recompute, offload=True)
+    below = [[1, False, True, False]] if recompute else []
+    assert out["history"] == [[1, False, False, False], *below,
+                              [1, True, recompute, True]], out
+    assert out["relative"] < 1e-5, out
+
+
+@pytest.mark.gpu
+def test_offload_off_ends_the_ladder_at_recompute_on_cuda():
+    out = _capped_rung(recompute=True, offload=False)
+    assert out["history"] == [[1, False, False, False], [1, False, True, False]], out
+    assert out["error"] and "Not even one sample fits" in out["error"], out
