@@ -1059,9 +1059,9 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             at ``min_batch_size`` (with recompute where it ran, or where the model has no
             blocks to recompute), redo it once more with the tensors autograd saves for
             backward kept in pinned host memory
-            (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), recompute still on:
-            what stays on the device is the parameters, their gradients and one block's
-            activations at a time. For that batch only; the attempt it ran has
+            (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), recompute still on
+            where it ran (then the device keeps the parameters, their gradients and one
+            block's activations at a time). For that batch only; the attempt it ran has
             ``offload=True``. Never on the CPU (nothing to move), nor after the host's own
             memory ran out. ``False``: give up there. Default ``True``.
 
