@@ -11,6 +11,7 @@ from memguard.census import live_tensors
 
 OBJECTS = [[i] for i in range({objects})]          # tracked Python objects
 TENSORS = [torch.ones(4) for _ in range({tensors})]
+VIEWS = [TENSORS[i][:2] for i in range({views})]   # views: storages counted once
 LEAKED = {{"step%d" % i: [torch.ones(1000 + i)] for i in range(10)}}   # ten held tensors
 MODEL = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
 LOSSES = [MODEL(torch.randn(32, 64)).mean() for _ in range({graphs})]  # losses kept with graphs
@@ -49,7 +50,7 @@ def census(quick: bool) -> list[Result]:
     the same process, one after the other.
     """
     objects, tensors, graphs = (300_000, 3_000, 20) if quick else (1_000_000, 10_000, 20)
-    out = run_python(CENSUS.format(objects=objects, tensors=tensors, graphs=graphs))
+    out = run_python(CENSUS.format(objects=objects, tensors=tensors, graphs=graphs, views=0))
     ms = 1000
     return [
         Result(f"6a census ({objects:,} objects, {tensors:,} tensors)", out["census"] * ms,
@@ -117,4 +118,21 @@ def holders(quick: bool) -> list[Result]:
                    f"{out['found']} of 50 holders found")]
 
 
-BENCHMARKS = [census, holders]
+def census_views(quick: bool) -> list[Result]:
+    """Benchmark 6d: benchmark 6a's census with ten times the tensors, a third of them views
+    of the others (100,000 tensors and 50,000 views; the quick run a third of each), in a
+    process holding as many tracked objects as 6a's, against one bare ``gc.get_objects()``
+    pass there (medians of 7 alternating rounds). The census's cost grows with the tensors
+    (each is read: its storage, shape, device), the bare pass's with every tracked object.
+    """
+    objects, tensors, views = (300_000, 33_000, 17_000) if quick else (1_000_000, 100_000,
+                                                                       50_000)
+    out = run_python(CENSUS.format(objects=objects, tensors=tensors, graphs=20, views=views))
+    ms = 1000
+    return [Result(f"6d census ({objects:,} objects, {tensors:,} tensors, {views:,} views)",
+                   out["census"] * ms, out["bare"] * ms, "ms", "bare gc.get_objects()",
+                   "<= 3x", out["census"] <= 3 * out["bare"],
+                   f"{out['tensors']} tensors found, {out['saved']} saved by 20 graphs")]
+
+
+BENCHMARKS = [census, census_views, holders]

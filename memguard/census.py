@@ -328,14 +328,18 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
     gc.disable()  # the census allocates a few objects per tensor: no collection in between
     try:
         new, set_row = object.__new__, _ROW_SLOT.__set__
-        infos = []
+        infos: list[TensorInfo] = []
         graphs: dict[str, Any] = {}
-        for row in _census_rows(frameworks, names, graphs):
-            if row.nbytes < min_bytes or not _device_matches(device, row.device):
-                continue
+        rows = _census_rows(frameworks, names, graphs)
+        if device is not None or min_bytes:
+            rows = [row for row in rows
+                    if row.nbytes >= min_bytes and _device_matches(device, row.device)]
+        add = infos.append
+        for row in rows:  # every row kept: no test per row (a census makes 100,000 of them)
             info = new(TensorInfo)
             set_row(info, row)
-            infos.append(info)
+            add(info)
+        del rows
     finally:
         if collecting:
             gc.enable()
@@ -378,10 +382,14 @@ def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
         if previous is None or (rows[previous].is_view and not rows[index].is_view):
             owners[key] = index
     counted = set(owners.values())
+    make, at = tuple.__new__, _NBYTES
     for index, row in enumerate(rows):
-        if index not in counted:  # another tensor counts this storage
-            rows[index] = row._replace(nbytes=0)
+        if index not in counted:  # another tensor counts this storage (_replace, unchecked)
+            rows[index] = make(TensorRow, (*row[:at], 0, *row[at + 1:]))
     return rows
+
+
+_NBYTES = TensorRow._fields.index("nbytes")
 
 
 def _trace_graphs(tensors: list[Any], rows: list[TensorRow], keys: list[Any],

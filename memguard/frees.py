@@ -13,7 +13,7 @@ from ._checks import flag, positive_int
 from ._decorate import function_kind, guard, name_of
 from ._locks import ForkSafeLock
 from ._units import Size, parse_optional_size
-from .backends import UNKNOWN
+from .backends import UNKNOWN, host, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
 from .scope import beyond, census_needed, growth, in_use, leak_error, leak_line, leak_message
@@ -84,16 +84,12 @@ class _Call:
             self.depth = counter.get()
             counter.set(self.depth + 1)
         if self.depth == 0:
-            from .backends import resolve_devices
-
             self.pairs = resolve_devices(None)
             self.census = self.shared.track_tensors or census_needed(self.shared.max_leak)
             if self.census:
                 self.tensors = tensor_ids()
             if self.shared.max_leak is None and not self.shared.track_tensors:
-                from .backends import host  # no verdict rests on it: the cheap reading
-
-                self.kind = host.quick_kind()
+                self.kind = host.quick_kind()  # no verdict rests on it: the cheap reading
             self.entry = read_all(self.pairs, self.kind)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -114,28 +114,81 @@ class _Config:
         self.file = None if isinstance(cache, bool) else SizeFile(cache)
         self.restore = restore
         self.snapshot_dir = snapshot_dir
-        # the last signature computed: (function, bound, what it was computed from, signature)
-        self._signature: Optional[tuple[Any, bool, tuple, inspect.Signature]] = None
+        # the last signature computed: (function, bound, what it was computed from, the
+        # signature, its parameters' names where every one is positional-or-keyword)
+        self._signature: Optional[tuple[Any, bool, tuple, inspect.Signature,
+                                        Optional[tuple[str, ...]]]] = None
 
-    def signature(self, wrapped: Callable[..., Any]) -> inspect.Signature:
-        """``inspect.signature(wrapped)``, computed once per plain function or method of
-        one (it costs ~8 us a call, a third of the guard's): kept while the function's code,
-        defaults and keyword defaults are those it was computed from. A callable of another
-        kind, or one that names another signature (``__signature__``, ``__wrapped__``), is
-        asked every call."""
+    def signature(self, wrapped: Callable[..., Any]
+                  ) -> tuple[inspect.Signature, Optional[tuple[str, ...]]]:
+        """``inspect.signature(wrapped)`` and, where every parameter is positional-or-keyword,
+        their names; computed once per plain function or method of one (it costs ~8 us a
+        call, a third of the guard's) and kept while the function's code, defaults and
+        keyword defaults are those it was computed from. A callable of another kind, or one
+        that names another signature (``__signature__``, ``__wrapped__``), is asked every
+        call."""
         bound = isinstance(wrapped, types.MethodType)
-        func = wrapped.__func__ if bound else wrapped
+        func: Any = wrapped.__func__ if isinstance(wrapped, types.MethodType) else wrapped
         if type(func) is not types.FunctionType or "__signature__" in func.__dict__ \
                 or "__wrapped__" in func.__dict__:
-            return inspect.signature(wrapped)
+            return inspect.signature(wrapped), None
         source = (func.__code__, func.__defaults__, func.__kwdefaults__)
         known = self._signature
         if known is not None and known[0] is func and known[1] == bound \
                 and all(a is b for a, b in zip(known[2], source, strict=True)):
-            return known[3]
+            return known[3], known[4]
         signature = inspect.signature(wrapped)
-        self._signature = (func, bound, source, signature)
-        return signature
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+                    for p in signature.parameters.values())
+        names = tuple(signature.parameters) if plain else None
+        self._signature = (func, bound, source, signature, names)
+        return signature, names
+
+    def bind(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+             ) -> Union[inspect.BoundArguments, _PlainBinding]:
+        """``inspect.signature(wrapped).bind_partial(*args, **kwargs)``; for a signature of
+        positional-or-keyword parameters and a call that binds (no extra or repeated
+        argument), the same binding made directly."""
+        signature, names = self.signature(wrapped)
+        if names is not None and len(args) <= len(names):
+            rest = names[len(args):]
+            if not kwargs or kwargs.keys() <= set(rest):
+                arguments = dict(zip(names, args, strict=False))  # args may be fewer
+                for name in rest:
+                    if name in kwargs:
+                        arguments[name] = kwargs[name]
+                return _PlainBinding(names, arguments)
+        return signature.bind_partial(*args, **kwargs)
+
+
+class _PlainBinding:
+    """What ``Signature.bind_partial`` gives for a signature whose parameters are all
+    positional-or-keyword, made without inspect's walk over every parameter kind: the
+    ``arguments`` in parameter order; ``args`` the values up to the first parameter not
+    given, ``kwargs`` those after it, as ``BoundArguments`` has them."""
+
+    __slots__ = ("names", "arguments")
+
+    def __init__(self, names: tuple[str, ...], arguments: dict[str, Any]) -> None:
+        self.names = names
+        self.arguments = arguments
+
+    def _given(self) -> int:
+        count = 0
+        for name in self.names:
+            if name not in self.arguments:
+                break
+            count += 1
+        return count
+
+    @property
+    def args(self) -> tuple:
+        return tuple(self.arguments[name] for name in self.names[:self._given()])
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return {name: self.arguments[name] for name in self.names[self._given():]
+                if name in self.arguments}
 
 
 class _State(GuardState):
@@ -171,7 +224,7 @@ class _Run(Loop):
     def __init__(self, cfg: _Config, state: _State, wrapped: Callable[..., Any],
                  args: tuple, kwargs: dict) -> None:
         self.cfg, self.state = cfg, state
-        self.bound = cfg.signature(wrapped).bind_partial(*args, **kwargs)
+        self.bound = cfg.bind(wrapped, args, kwargs)
         given = self.bound.arguments.get(cfg.arg)
         requested = given if given is not None else (cfg.batch_size or cfg.default)
         if requested is None:

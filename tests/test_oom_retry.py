@@ -373,3 +373,37 @@ def test_a_method_is_bound_as_a_method_after_the_function_was_called_plainly():
     assert trainer.fit() == (trainer, 8)  # bound: self is not
     assert trainer.fit(batch_size=4) == (trainer, 4)
     assert Trainer.fit(trainer, 2) == (trainer, 2)
+
+
+def test_every_way_of_calling_binds_as_inspect_binds():
+    # plain parameters are bound without inspect's walk: the same arguments, positional and
+    # by keyword, as Signature.bind_partial; a call that does not bind fails as before
+    from memguard.loop import Policy
+    from memguard.retry import _Config, _PlainBinding
+
+    def step(data, batch_size, scale=1.0, label="x"):
+        return data, batch_size, scale, label
+
+    cfg = _Config(step, 8, "batch_size", Policy(), False, "accumulation_steps", False, None, ())
+    signature = inspect.signature(step)
+    calls = [((), {}), ((1,), {}), ((1, 2),), ((1, 2, 3.0, "y"), {}), ((1,), {"scale": 2.0}),
+             ((), {"label": "z", "data": 5}), ((1, 2), {"label": "z"})]
+    for args, *rest in calls:
+        kwargs = rest[0] if rest else {}
+        ours, theirs = cfg.bind(step, args, kwargs), signature.bind_partial(*args, **kwargs)
+        assert isinstance(ours, _PlainBinding)
+        assert ours.arguments == dict(theirs.arguments)
+        assert list(ours.arguments) == list(theirs.arguments)
+        for size in (4, None):
+            if size is not None:
+                ours.arguments["batch_size"] = theirs.arguments["batch_size"] = size
+            assert (ours.args, ours.kwargs) == (theirs.args, theirs.kwargs)
+    for args, kwargs in (((1, 2, 3, 4, 5), {}), ((1,), {"data": 2}), ((), {"other": 1})):
+        with pytest.raises(TypeError):
+            cfg.bind(step, args, kwargs)
+    guarded = memguard.oom_retry(batch_size=8)(step)
+    assert guarded(1) == (1, 8, 1.0, "x")
+    assert guarded(1, label="z") == (1, 8, 1.0, "z")
+    assert guarded(data=1, scale=2.0) == (1, 8, 2.0, "x")
+    with pytest.raises(TypeError, match="multiple values"):
+        guarded(1, data=2)

@@ -339,7 +339,8 @@ def census_rows(tensors: list[Any], names: dict[int, str]
     make = tuple.__new__  # TensorRow(...) without its argument handling
     for tensor in tensors:
         try:
-            storage, pointer = owned_storage(tensor)
+            storage = tensor.untyped_storage()  # owned_storage(tensor), inlined: 100,000 calls
+            pointer = storage.data_ptr()
             if not pointer:
                 continue
             device, dtype = tensor.device, tensor.dtype
