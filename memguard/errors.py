@@ -12,14 +12,12 @@ from ._units import binary_unit
 class MemguardError(Exception):
     """Base class of the errors memguard raises itself.
 
-    Every one pickles and deep-copies with its message and fields (``retained``,
-    ``attempts``, notes...), whatever its ``__init__`` takes, so that one raised in a worker
-    process reaches the parent as itself; ``__cause__`` and the traceback stay behind, as for
-    every pickled exception.
+    Every one pickles with its message and fields, so one raised in a worker process reaches
+    the parent as itself.
 
     Args:
-        *args: the message (what was wrong, with the value, and what to do), as for any
-            exception; subclasses add their own fields.
+        *args: the message (what was wrong, with the value, and what to do); subclasses add
+            their own fields.
 
     >>> import pickle
     >>> err = pickle.loads(pickle.dumps(MemoryLeakError("kept 2 MiB", {"host": 2 << 20}, 1)))
@@ -44,16 +42,11 @@ def _rebuilt(cls: type[MemguardError], args: tuple[Any, ...]) -> MemguardError:
 class MemoryLeakError(MemguardError):
     """Memory still held after a guarded block and its cleanup exceeded ``max_leak``.
 
-    ``retained`` maps each offending device to the bytes it kept; ``limit`` is the
-    ``max_leak`` in bytes.
-
     Args:
-        message: the error's text: what kept the memory and how much.
-        retained: device -> the bytes it kept, kept as ``retained``.
-        limit: the ``max_leak`` in bytes, kept as ``limit``.
+        message: what kept the memory and how much.
 
     Attributes:
-        retained: device -> the bytes it kept over the limit's reference level.
+        retained: device -> the bytes it kept over the reference level.
         limit: the ``max_leak`` in bytes.
 
     >>> import memguard
@@ -75,17 +68,10 @@ class MemoryLeakError(MemguardError):
 class OutOfMemoryError(MemguardError, MemoryError):
     """Out of memory at every batch size memguard was allowed to try.
 
-    ``attempts`` holds the :class:`memguard.Attempt` records, in order; ``__cause__`` is the
-    last out-of-memory error. ``partial`` holds the work finished before the failure, where
-    there is some to keep: for :func:`memguard.map_batches`, the list of results of the
-    batches that completed, in order (``None`` otherwise). Being a ``MemoryError``, it is
-    caught by ``except MemoryError`` and :func:`is_oom_error` accepts it.
+    A ``MemoryError``; ``__cause__`` is the last out-of-memory.
 
     Args:
-        message: the error's text: every size tried, with the memory at each failure.
-        attempts: the attempts made, kept as ``attempts``. Default ``()``: none.
-        partial: the work finished before the failure, kept as ``partial``. Default
-            ``None``: nothing to keep.
+        message: every size tried, with the memory at each failure.
 
     Attributes:
         attempts: the :class:`memguard.Attempt` records, in order.
@@ -170,9 +156,7 @@ _GROUP: Optional[type] = getattr(builtins, "BaseExceptionGroup", None)
 
 
 def text_of(exc: Any) -> str:
-    """``str(exc)``, or ``""`` when the exception's ``__str__`` itself raises: an exception
-    that cannot be printed is judged by its type alone, and never replaced by the error its
-    ``__str__`` raised.
+    """``str(exc)``, or ``""`` when its ``__str__`` raises (then judged by type alone).
 
     >>> class Unprintable(RuntimeError):
     ...     def __str__(self):
@@ -198,20 +182,8 @@ def _leaves(group: Any) -> list[BaseException]:
 
 
 def chained(exc: Any, *, context: bool = False) -> Iterator[BaseException]:
-    """``exc`` and the exceptions it was raised from (its ``__cause__`` chain), each once,
-    outermost first; with ``context=True`` also every ``__context__`` and the exceptions an
-    exception group holds (all that a traceback shows). Nothing for what is not an
-    exception.
-
-    >>> try:
-    ...     try:
-    ...         raise KeyError("inner")
-    ...     except KeyError as inner:
-    ...         raise ValueError("outer") from inner
-    ... except ValueError as exc:
-    ...     [type(e).__name__ for e in chained(exc)]
-    ['ValueError', 'KeyError']
-    """
+    """``exc`` and its ``__cause__`` chain, each once, outermost first; with ``context=True``
+    also every ``__context__`` and the members of exception groups. Empty for a non-exception."""
     seen: set[int] = set()
     stack: list[Any] = [exc]
     while stack:
@@ -227,8 +199,7 @@ def chained(exc: Any, *, context: bool = False) -> Iterator[BaseException]:
 
 
 def _recognised(exc: Any) -> Optional[tuple[BaseException, str]]:
-    """The first exception along ``exc``'s ``__cause__`` chain that a rule recognises as an
-    out-of-memory, with the rule; the walk stops at anything outside ``Exception``."""
+    """The first exception along the ``__cause__`` chain a rule recognises, with the rule."""
     # Only Exceptions: KeyboardInterrupt, SystemExit, GeneratorExit, CancelledError (and
     # anything else outside Exception) are control flow, never an out-of-memory.
     for current in chained(exc):
@@ -248,9 +219,8 @@ def _recognised(exc: Any) -> Optional[tuple[BaseException, str]]:
 
 
 def oom_source(exc: Any) -> Optional[BaseException]:
-    """The exception that says ``exc`` is an out-of-memory: ``exc`` itself, one along its
-    ``__cause__`` chain, or the first in an exception group of out-of-memory errors;
-    ``None`` when ``exc`` is not one.
+    """The exception that makes ``exc`` an out-of-memory (itself, its cause, or a group's
+    member), or ``None``.
 
     >>> oom = MemoryError("out of memory")
     >>> try:
@@ -264,9 +234,7 @@ def oom_source(exc: Any) -> Optional[BaseException]:
 
 
 def oom_kind(exc: Any) -> str | None:
-    """Which rule recognises ``exc`` (or an exception in its ``__cause__`` chain) as an
-    out-of-memory, or ``None`` when none does (the rules are :func:`is_oom_error`'s).
-    :func:`is_oom_error` is ``oom_kind(exc) is not None``.
+    """The :func:`is_oom_error` rule that recognises ``exc``, or ``None``.
 
     >>> oom_kind(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     'CUDA caching allocator'
@@ -298,39 +266,15 @@ def _own_kind(exc: BaseException) -> str | None:
 def is_oom_error(exc: Any) -> bool:
     """Whether ``exc`` is an out-of-memory error, from any framework or device.
 
-    The rules (the message rules are one table in the code, ``OOM_MESSAGES``):
-
-    ========  ===============================================================================
-    Verdict   ``exc``
-    ========  ===============================================================================
-    yes       ``torch.OutOfMemoryError``; ``MemoryError`` (numpy's too, and
-              :class:`OutOfMemoryError`)
-    yes       a ``RuntimeError`` saying a CUDA, HIP, XPU, MPS or CPU allocation failed;
-              cuBLAS and cuDNN allocation failures; cuDNN's ``NOT_SUPPORTED`` (what a full GPU
-              produces)
-    yes       a torch memory mapping that failed with ``ENOMEM`` ("unable to mmap ... Cannot
-              allocate memory (12)")
-    yes       TensorFlow's ``ResourceExhaustedError`` about memory
-    no        the same about disk space or a quota, in the error's own words ("disk" or
-              "quota" in a path or quoted name, such as ``</mnt/disk1/shard.bin>``, does not
-              count)
-    yes       a ``DataLoader`` worker's error re-raised in the main process, when the worker's
-              own error is one of these
-    yes       an exception raised *from* one of these (``raise LoaderError(...) from oom``:
-              its ``__cause__``, a wrapped out-of-memory)
-    no        an exception raised while *handling* one, without ``from`` (only its
-              ``__context__``): a new error, a bug in a handler say; retrying would hide it
-    yes       an exception group (``asyncio.TaskGroup``, ``except*``) of which every
-              exception, nested groups flattened, is one
-    no        a group that also holds any other error (that error must reach the program)
-    no        ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``,
-              ``asyncio.CancelledError``, whatever their chain
-    by type   an exception whose ``__str__`` raises: ``MemoryError`` and torch's
-              ``OutOfMemoryError`` are recognised, a message rule cannot be
-    no        oneDNN's ``could not create a primitive``: its message does not say whether
-              memory was the cause
-    no        anything that is not an exception (``False``, never an error)
-    ========  ===============================================================================
+    Recognised: ``torch.OutOfMemoryError`` and ``MemoryError`` (numpy's, and
+    :class:`OutOfMemoryError`); a ``RuntimeError`` saying a CUDA, HIP, XPU, MPS or CPU
+    allocation failed (cuBLAS, cuDNN, a failed ``mmap`` with ``ENOMEM`` included); TensorFlow's
+    ``ResourceExhaustedError`` about memory; a ``DataLoader`` worker's such error; an exception
+    raised ``from`` one; an exception group all of whose members are. Not recognised: disk or
+    quota errors; an exception raised while *handling* one without ``from`` (a new error);
+    a group holding any other error; ``KeyboardInterrupt``, ``SystemExit``,
+    ``asyncio.CancelledError``; oneDNN's ``could not create a primitive``. The message rules
+    are one table, ``OOM_MESSAGES``.
 
     Args:
         exc: any object; only exceptions can be out-of-memory errors.
@@ -343,8 +287,6 @@ def is_oom_error(exc: Any) -> bool:
     >>> memguard.is_oom_error(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
     True
     >>> memguard.is_oom_error(ValueError("shape mismatch"))
-    False
-    >>> memguard.is_oom_error("out of memory")
     False
     """
     return oom_kind(exc) is not None
@@ -366,13 +308,9 @@ _GPU_INDEX = re.compile(r"GPU (\d+) has a total capacity")
 
 
 def requested_bytes(exc: Any) -> Optional[int]:
-    """The bytes the failed allocation asked for, as an out-of-memory's message states them
-    (torch's CPU and CUDA allocators, MPS, XLA, numpy, TensorFlow's tensor shape and type,
-    a failed mapping), looking along the ``__cause__`` chain; ``None`` when no message says.
+    """The bytes the failed allocation asked for, as the out-of-memory's message (along the
+    ``__cause__`` chain) states them; ``None`` when none says.
 
-    >>> requested_bytes(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried "
-    ...                              "to allocate 1048576 bytes. Error code 12"))
-    1048576
     >>> requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
     20971520
     """
@@ -396,10 +334,8 @@ def requested_bytes(exc: Any) -> Optional[int]:
 
 
 def oom_device(exc: Any) -> str:
-    """The device an out-of-memory ran out on, as memguard names it: ``"cuda:N"`` (or
-    ``"cuda"`` when the message does not say which) for CUDA's errors, ``"host"`` for the CPU
-    allocator, ``MemoryError``, file mappings and anything else. The message read is that of
-    the out-of-memory itself, wherever it stands along the ``__cause__`` chain.
+    """The device an out-of-memory ran out on: ``"cuda:N"`` (``"cuda"`` when unsaid) for CUDA,
+    ``"host"`` for anything else.
 
     >>> oom_device(RuntimeError("CUDA out of memory. GPU 1 has a total capacity of 79 GiB"))
     'cuda:1'

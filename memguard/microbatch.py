@@ -1,38 +1,16 @@
 """``auto_microbatch``: a training step that survives out-of-memory by redoing the same batch in
-slices, with gradients accumulated exactly, and under ``DistributedDataParallel`` without a
-rank left waiting in a collective.
+slices, with gradients accumulated exactly and, under DDP or FSDP2, no rank left waiting in a
+collective.
 
-The order of one call:
-
-1. The parameters' gradients on entry stay in place during the step function's first call
-   (a ``zero_grad()`` at the top of the step clears them, as in plain torch) and are then
-   moved aside as that call left them (deliberate accumulation across steps survives
-   anything that follows); the model's persistent buffers that a pass can move are copied
-   (others are watched: ``Buffers``). Calls on one model (or on models sharing a parameter)
-   are serialised: another thread's step on it waits for this one to end.
-2. A pass runs the decorated function and backward on each slice of the batch (the whole
-   batch at first, or the size that worked before), weighting each slice's loss by its share of
-   the samples. Under DDP the pass neither reduces gradients nor broadcasts buffers: both are
-   collectives that a peer's out-of-memory would leave unmatched.
-   Before each backward the loss's graph is walked for tensors outside the model that
-   backward writes into: they are set aside with the model's. Later calls run with the
-   gradients accumulated so far moved aside (a repeated ``zero_grad()`` clears nothing); a
-   call that writes gradients itself, or steps the parameters' optimizers, is an error, not
-   silently wrong gradients, and so is a post-accumulate-grad hook (an optimizer step fused
-   into backward).
-3. An out-of-memory is recognised inside ``except``; outside it the pass's partial gradients
-   are dropped, the buffers are put back, memory is freed, and the pass is redone at a
-   smaller slice size (inside ``oom_retry``, once this call's sizes were all tried during the
-   outermost call, later calls try only the smallest and pass the out-of-memory on).
-4. Ranks agree after every pass, on memguard's gloo group: a rank that is done waits for the
-   others; any rank's failure ends the step on every rank with an error.
-5. The new gradients are added to the entry gradients and, where DDP would have, averaged over
-   the ranks once.
-
-Under FSDP2 (``fully_shard``) the passes run with FSDP's reduction held back and a flag exchange
-before each unit's all-gathers (``backends/steps/torch_fsdp.py``); every rank redoes a failed
-pass at one size, and the gradients are reduce-scattered once after the last pass.
-"""
+One call: the entry gradients stay in place for the step function's first call (a
+``zero_grad()`` there clears them), then are moved aside; movable persistent buffers are copied.
+A pass runs forward and backward on each slice (the whole batch first), each slice's loss
+weighted by its share, without DDP's reduction or buffer broadcast. An out-of-memory is
+recognised inside ``except``; outside it the pass's gradients are dropped, the buffers put back,
+memory freed, and the pass redone in smaller slices. Ranks agree after every pass on memguard's
+gloo group; at the end the new gradients are added to the entry ones and averaged once where DDP
+would have. Under FSDP2 reduction is held back and ranks exchange a flag before each unit's
+all-gathers (``backends/steps/torch_fsdp.py``). Calls on one model are serialised."""
 
 from __future__ import annotations
 
@@ -97,8 +75,7 @@ Reduction = Literal["mean", "sum"]
 
 
 class MicrobatchedFunction(Protocol[P, R_co]):
-    """What ``@auto_microbatch(model)`` returns: the step, called as before, with its
-    statistics.
+    """What ``@auto_microbatch(model)`` returns: the step, called as before, with its statistics.
 
     Attributes:
         microbatch_size: the slice size that fitted (``None`` until a batch was split).
@@ -112,7 +89,6 @@ class MicrobatchedFunction(Protocol[P, R_co]):
     >>> loss = loss_of(torch.ones(8, 4))
     >>> loss_of.microbatch_size is None, loss.requires_grad, model.weight.grad is not None
     (True, False, True)
-
     """
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
@@ -135,8 +111,7 @@ class MicrobatchedFunction(Protocol[P, R_co]):
 
         Args:
             microbatch_size: the slice size to start from instead, in samples (one learned
-                before, kept with a checkpoint). Default ``None``: the whole batch first.
-        """
+                before, kept with a checkpoint). Default ``None``: the whole batch first."""
 
 
 class _Config:
@@ -188,9 +163,8 @@ class _Config:
 
 
 class _State(GuardState):
-    """What an ``auto_microbatch`` step remembers between calls: the slice size that fitted,
-    the steps since the last out-of-memory, the last call's attempts, and the tensors outside
-    the model it has warned about."""
+    """What a step remembers between calls: the slice size and cost that fitted, the clean
+    steps since an out-of-memory, the last call's attempts, the tensors warned about."""
 
     def __init__(self) -> None:
         # the last call's attempts; (size, seconds) for a call that ran the whole batch in
@@ -223,8 +197,7 @@ class _State(GuardState):
         self.clean_steps = 0
 
     def reset(self, microbatch_size: Optional[int] = None) -> None:
-        """Forget the size that fitted and the last call's attempts; with
-        ``microbatch_size`` (a positive int), start from that slice size."""
+        """Forget the size that fitted and the last attempts; start from ``microbatch_size``."""
         if microbatch_size is not None:
             optional_positive_int(microbatch_size, "microbatch_size", who="reset")
         super().reset()
@@ -240,11 +213,8 @@ _MODEL_LOCKS: "weakref.WeakValueDictionary[int, ForkSafeLock]" = weakref.WeakVal
 
 
 def _model_lock(model: Any) -> ForkSafeLock:
-    """The lock that serialises ``auto_microbatch`` calls on ``model`` (every step function
-    decorated for it, for the module a ``DistributedDataParallel`` wraps, and for any model
-    that shares a parameter with it: two models holding one submodule, stepped from two
-    threads, add their gradients up one step at a time), re-entrant for a step called inside
-    another on the same thread."""
+    """The re-entrant lock serialising steps on ``model``, shared with the module a DDP wraps and
+    with any model sharing a parameter (so gradients add up one step at a time)."""
     ddp = training.ddp_of(model)
     key = ddp.module if ddp is not None else model
     params = training.parameters(key)
@@ -262,8 +232,7 @@ def _model_lock(model: Any) -> ForkSafeLock:
 
 
 class _Step(Loop):
-    """One call: its passes over the batch (the loop's attempts), redone in slices on
-    out-of-memory; a rank that is done waits for the others."""
+    """One call: its passes over the batch (the loop's attempts)."""
 
     unit: Unit = "microbatch"
     peers: Literal["redo", "wait"] = "wait"
@@ -291,9 +260,7 @@ class _Step(Loop):
     def _prepare(self, cfg: _Config, state: _State, batch: Any, plan: Plan,
                  found: Optional[tuple[list[Any], list[training.Slot], set[int], int]] = None
                  ) -> None:
-        """What a pass needs: the batch, the parameters trained, their gradients' state;
-        ``found``: the parameters, buffers, known ids and the model's own count, where
-        :meth:`whole` found them."""
+        """What a pass needs; ``found``: the parameters, buffers, ids and count (:meth:`whole`)."""
         self.cfg, self.state, self.batch, self.plan = cfg, state, batch, plan
         self.who = cfg.name
         self.samples = self.size = int(plan.length or 0)
@@ -362,10 +329,8 @@ class _Step(Loop):
             self._share_lengths()
 
     def _share_lengths(self) -> None:
-        """FSDP2 with several ranks: every rank must run as many passes, each with its
-        all-gathers, whatever its batch's length. The longest batch over the ranks and the
-        smallest remembered slice size decide the slice count everywhere; a shorter batch
-        is cut into as many slices (see :meth:`_bounds`)."""
+        """FSDP2 with several ranks: every rank runs as many passes (the longest batch and the
+        smallest remembered size decide; see :meth:`_bounds`)."""
         world = torch_distributed.world()
         self.world = world[1] if world is not None else 1
         n = self.samples
@@ -377,11 +342,8 @@ class _Step(Loop):
     @classmethod
     def whole(cls, cfg: _Config, state: _State, batch: Any, plan: Plan,
               wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """The call in the common case (see :func:`_whole_fits`): one pass over the whole
-        batch, with none of the loop's objects made unless it runs out of memory; then the
-        loop starts as if it had run this pass as its first attempt, and goes on from its
-        second. What runs, and what is recorded, is what :meth:`run` does (with the model's
-        walk kept between calls: this runs at every step)."""
+        """The common case (:func:`_whole_fits`): one pass over the whole batch with no loop objects
+        made; on out-of-memory the loop resumes as if this were its first attempt."""
         started = time.perf_counter()
         walked = cfg.walked.get(started)
         params = walked.params
@@ -463,11 +425,9 @@ class _Step(Loop):
         return math.ceil(self.most / self.size)
 
     def _bounds(self) -> list[tuple[int, int, bool]]:
-        """Each slice as ``(start, stop, stand_in)``: this rank's batch cut at the size, or,
-        where another rank's batch is longer (FSDP2), cut into as many slices as that one's,
-        no larger than the size; where this batch has fewer samples than slices, the last
-        ones are stand-ins: its first sample again, at weight 0, so that every rank joins
-        the same collectives and the gradients are unchanged."""
+        """Each slice as ``(start, stop, stand_in)``; where another rank's batch is longer (FSDP2),
+        missing slices are stand-ins (the first sample at weight 0) so every rank joins the same
+        collectives."""
         n, size, count = self.samples, self.size, self.slices()
         if count * size - size < n:  # the usual cut gives as many slices
             return [(start, min(n, start + size), False) for start in range(0, n, size)]
@@ -476,8 +436,8 @@ class _Step(Loop):
 
     # -- FSDP2 -----------------------------------------------------------------------------
     def _sharding(self) -> ContextManager[None]:
-        """While the passes run on an FSDP2 model: its gradient reduction held back and, in
-        a job of several ranks, a check before each unit's all-gathers."""
+        """FSDP2: gradient reduction held back and, with several ranks, a check before each
+        unit's all-gathers."""
         return contextlib.nullcontext() if self.fsdp is None else self._sharded()
 
     @contextlib.contextmanager
@@ -494,11 +454,8 @@ class _Step(Loop):
             fsdp.release()
 
     def _check(self) -> None:
-        """Before an FSDP unit's all-gather: the exchange a rank makes when its pass ends
-        (same values, same shape), so that a peer whose pass failed is met here rather than
-        in a collective it will never join. A peer's failure ends this rank's pass with an
-        out-of-memory of its own; the outcome is kept for this pass's agreement, which then
-        makes no second exchange."""
+        """Before an FSDP unit's all-gather: the end-of-pass exchange, so a peer's failure is met
+        here, not in a collective it never joins; the outcome serves this pass's agreement."""
         if self.told is None:
             values = self.agreement.all_max([OK, -NO_OPINION, *self._flags(False)])
             if values[0] == OK:
@@ -524,8 +481,7 @@ class _Step(Loop):
     # -- the call --------------------------------------------------------------------------
     def run(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, *,
             resumed: bool = False) -> Any:
-        """The passes, and what follows them; ``resumed``: after :meth:`whole`'s failed
-        pass (the gradients and buffers already set aside, no DDP or FSDP)."""
+        """The passes and what follows; ``resumed``: after :meth:`whole`'s failed pass."""
         if not resumed:
             self.held = training.hold(self.params)
         fsdp = self.fsdp
@@ -627,13 +583,10 @@ class _Step(Loop):
         return number
 
     def _call(self, wrapped: Callable[..., Any], piece: Any, args: tuple, kwargs: dict) -> Any:
-        """The step function on one slice, its optimizers' steps on our parameters refused.
+        """The step function on one slice, its optimizers' steps refused.
 
-        The step's first call sees the entry gradients and what it does to them stands (a
-        ``zero_grad()`` at the top of the step: the step starts from zero). Every later call
-        (the next slices, a redone pass) runs with the gradients accumulated so far moved
-        aside, so that the same ``zero_grad()`` repeated there clears nothing; a gradient
-        written during such a call is a ``backward()`` of its own, an error."""
+        The first call sees the entry gradients (its ``zero_grad()`` stands); later calls run with
+        the accumulated gradients moved aside, and a gradient written there is an error."""
         first = not self.settled
         aside = None if first else training.stash(self.params)
         token = training.REFUSED.set((self.known, self.cfg.refusal))
@@ -657,8 +610,8 @@ class _Step(Loop):
         return loss
 
     def _settle_entry(self, strict: bool) -> None:
-        """The entry gradients, as the step function's first call left them, moved aside;
-        ``strict``: a gradient it wrote or changed otherwise than by zeroing is an error."""
+        """Move the entry gradients aside as the first call left them; ``strict``: a change other
+        than zeroing is an error."""
         self.entry, appeared, changed = training.settle(self.params, self.held)
         self.held, self.settled = None, True
         if strict and (appeared or changed):
@@ -681,9 +634,8 @@ class _Step(Loop):
         return self._flags(self.status != OK)
 
     def _flags(self, failed: bool) -> list[int]:
-        """The gradients' presence under DDP; under FSDP2 with several ranks also, last, a
-        mark of this rank when ``failed`` (``world - rank``: the maximum names the lowest
-        failing rank)."""
+        """The gradients' presence under DDP; under FSDP2, last, ``world - rank`` when ``failed``
+        (the maximum names the lowest failing rank)."""
         flags: list[int] = []
         if self.syncs:
             shared = self.params[:self.shared]
@@ -771,8 +723,7 @@ class _Step(Loop):
         return exhausted(self.cfg.name, self.attempts, f" for a batch of {self.samples}")
 
     def _peer_error(self) -> OutOfMemoryError:
-        """A peer ran out at its smallest size, this rank did not (FSDP2: the failing rank
-        is named)."""
+        """A peer ran out at its smallest size, this rank did not."""
         return OutOfMemoryError(
             f"{self.cfg.name}: rank {self.culprit} ran out of memory at "
             f"microbatch_size={self.size}, the smallest allowed; this rank (rank "
@@ -819,8 +770,7 @@ def _changed_error(cfg: _Config, total: int, appeared: int, changed: int) -> Run
 
 def _fused_step_error(cfg: _Config, params: list[Any],
                       hooked: list[tuple[int, Any]]) -> NotImplementedError:
-    """The refusal of hooks that run on each finished gradient (an optimizer step fused into
-    backward)."""
+    """The refusal of post-accumulate-grad hooks (an optimizer step fused into backward)."""
     index, hook = hooked[0]
     names = {id(p): name for name, p in cfg.model.named_parameters()}
     where = names.get(id(params[index]), training.describe(params[index]))
@@ -838,15 +788,10 @@ def _fused_step_error(cfg: _Config, params: list[Any],
 def _adopt(cfg: _Config, state: _State, found: list[Any], params: list[Any],
            entry: list[Any], known: "set[int] | frozenset[int]"
            ) -> tuple[list[Any], list[Any], set[int]]:
-    """Tensors that backward is about to write gradients into and that were not set aside
-    on entry (found by a walk of the loss's graph before each backward, on every call: a
-    tensor may first take part in a later call or a later slice): set aside now with the
-    others, so that a failed pass's share of them is dropped too. Returns the parameters,
-    their entry gradients and the known ids, each with them added.
-
-    A parameter the model holds (registered after the model's walk was kept, or set to
-    require grad since) passes in silence; a warning names each tensor outside the model
-    not warned about before (parameters, and the first other tensor: an input)."""
+    """Set aside tensors backward is about to write into that were not set aside on entry (found
+    by walking the loss's graph before each backward), so a failed pass's share is dropped too.
+    Returns the parameters, entry gradients and known ids with them added; warns once per tensor
+    outside the model."""
     with state.lock:
         new = [t for t in found if training.is_parameter(t) and id(t) not in state.warned]
     if new:  # the model's own, or strangers: the model walked now tells (once for each)
@@ -872,11 +817,8 @@ REPLICA_EVERY = 32
 
 
 def _check_replicas(cfg: _Config, state: _State) -> None:
-    """Every :data:`REPLICA_EVERY` calls under DDP with several ranks: compare a sample of
-    the model's weights across the ranks, and raise where they have drifted apart. DDP
-    averages gradients, never weights: an optimizer step that ran on some ranks only (an
-    out-of-memory in ``optimizer.step()`` caught and carried on) leaves the replicas
-    different for good, silently. A collective: every rank calls the step as often."""
+    """Every :data:`REPLICA_EVERY` calls under DDP: compare a sample of the weights across ranks
+    and raise where they drifted (an optimizer step that ran on some ranks only). A collective."""
     state.calls += 1
     if state.calls % REPLICA_EVERY:
         return
@@ -898,10 +840,8 @@ def _check_replicas(cfg: _Config, state: _State) -> None:
 
 
 def _whole_fits(cfg: _Config, plan: Plan, planned: Optional[int]) -> bool:
-    """Whether a call takes :meth:`_Step.whole`: no DDP or FSDP model, nothing to agree
-    with other ranks, not inside another guard's attempt, and the batch planned whole
-    (``planned``, :func:`_planned`'s size: nothing remembered, or a slice that fitted
-    costing as much as the whole batch)."""
+    """Whether a call takes :meth:`_Step.whole`: no DDP/FSDP, no agreement, no enclosing
+    attempt, and the batch ``planned`` whole."""
     if not cfg.alone or running():  # nested in another guard's attempt
         return False
     if cfg.policy.sync is not False:
@@ -917,8 +857,7 @@ _HOST_KINDS = frozenset({"torch CPU allocator", "MemoryError", "torch memory map
 
 
 def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
-    """What one sample of ``batch`` costs: ``cost(batch)`` (the elements of its tensors by
-    default) over its ``n`` samples; ``None`` where the batch has nothing to count."""
+    """``cost(batch)`` (default: its tensors' elements) over ``n``; ``None``: nothing to count."""
     if cfg.cost is None:
         total = float(batch_elements(batch))
     else:
@@ -935,11 +874,9 @@ def _per_sample(cfg: _Config, batch: Any, n: int) -> Optional[float]:
 
 
 def _planned(cfg: _Config, state: _State, batch: Any, n: int) -> tuple[Optional[int], Any]:
-    """The slice size to start a batch of ``n`` samples at: as many samples as the slice
-    cost that fitted holds at this batch's cost per sample (so a cheaper batch runs in fewer
-    slices, whole where it fits, and a dearer one in more, before it fails); the remembered
-    size where there is no cost to compare; ``None`` where nothing is remembered. With it,
-    the cost per sample read (``_UNREAD`` where it was not needed)."""
+    """The slice size to start a batch of ``n`` at: as many samples as the slice cost that
+    fitted holds at this batch's cost per sample (the remembered size where there is no cost;
+    ``None`` where nothing is remembered), and the cost per sample read (or ``_UNREAD``)."""
     with state.lock:
         remembered, slice_cost = state.microbatch_size, state.slice_cost
     if remembered is None or slice_cost is None:
@@ -968,57 +905,23 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
 
-    The decorated function takes the batch as its first argument (other arguments are passed
-    to every call as they are) and returns the scalar loss of what it was given. memguard
-    calls backward itself and returns the whole batch's loss, detached. On an out-of-memory
-    (:func:`is_oom_error`) in forward or backward, the pass's partial gradients are dropped,
-    memory is freed outside ``except``, and the same batch is redone in slices along dim 0,
-    their size shrinking as :func:`oom_retry`'s batch size does (the policy arguments mean
-    the same). With ``reduction="mean"`` each slice's loss is weighted by ``len(slice) /
-    len(batch)`` (exact for a loss that is a mean over samples); ``"sum"`` adds the slices'
-    losses as they are. Gradients the parameters held on entry are kept; any other exception
-    propagates at once with them restored.
+    The decorated function takes the batch first (other arguments go to every call unchanged)
+    and returns the scalar loss of what it was given; memguard runs backward and returns the
+    whole batch's loss, detached. On an out-of-memory (:func:`is_oom_error`) the pass's partial
+    gradients and buffer moves are undone, memory is freed, and the batch is redone in slices
+    along dim 0, shrinking as :func:`oom_retry`'s size does. Gradients held on entry are kept;
+    any other exception propagates at once with them restored.
 
-    A batch is a tensor, an array, a list/tuple, a dict or any Mapping (its type kept), a
-    dataclass instance, nested; lists of strings or numbers are per-sample (a list of
-    tensors of one shape is read as what the parts beside it say, and cutting one where
-    nothing says is a ``ValueError``); scalars, ``None`` and other objects
-    go to every slice as they are. What a slice that fitted cost is kept for later calls, in
-    ``cost``'s unit (the elements of the batch's tensors by default): a later batch starts in
-    slices of as many samples as that cost holds at its own cost per sample, so a batch of
-    short sequences runs whole after one of long sequences was split, and a batch dearer
-    than any before is split before it runs out of memory. An out-of-memory still teaches:
-    the slices shrink from there and the cost that fitted is kept.
+    A batch is a tensor, array, list/tuple, Mapping or dataclass, nested; other objects go to
+    every slice unchanged. The cost of a slice that fitted (``cost``'s unit) is remembered: a
+    cheaper later batch runs in fewer slices, a dearer one is split before it fails.
 
-    What a failed pass leaves is undone: its gradients (also those of tensors outside ``model`` that
-    backward writes into, looked for before every backward) and the moves of ``model``'s persistent
-    buffers (BatchNorm's running statistics end as plain accumulation over the slices leaves them; a
-    lazy module's, initialised by a failed pass, are reset). Calls on one model, or on models that
-    share a parameter, are serialised: a thread's step waits for another thread's step on the same
-    model, and the gradients add up as plain torch's would. A ``factor`` that returns an invalid
-    size is a ``ValueError`` with the entry gradients and buffers as they were. A ``zero_grad()`` at
-    the top of the function (a loop ported as it is) starts the step from zero gradients, whole or
-    split: the first call sees the entry gradients and what it does to them stands, later calls run
-    with the accumulated gradients moved aside. The decorated function must otherwise only compute
-    the loss: an ``optimizer.step()`` of ``model``'s parameters inside it is refused before it
-    steps, gradients the function writes or changes otherwise than by zeroing (a ``backward()`` of
-    its own, clipping) are a ``RuntimeError`` naming the mistake, the entry gradients restored, and
-    a hook registered with ``register_post_accumulate_grad_hook`` on the parameters (an optimizer
-    step fused into backward) is a ``NotImplementedError`` at the first call.
-
-    With a ``DistributedDataParallel`` model, slices run without DDP's gradient reduction and buffer
-    broadcast, the ranks agree after every pass on memguard's gloo group (so one rank's
-    out-of-memory, in forward or backward, hangs no one: a rank that is done waits), and the
-    gradients are averaged once over the DDP group afterwards, as DDP would have (not inside the
-    user's own ``no_sync()``). Every rank must call the step, as DDP requires. With an FSDP2 model
-    (``fully_shard``, per layer and at the root), gradient reduction is held back during the passes
-    (as ``set_requires_gradient_sync(False)`` does) and made once after them, the ranks exchange a
-    flag before every FSDP unit's all-gather in forward and in backward (so one rank's out-of-memory
-    is learned there, before a collective it would not join), and every rank redoes the step in the
-    same number of passes (batches of different lengths on different ranks are cut as many times).
-    An out-of-memory while FSDP allocates an all-gather's buffer, or inside the one reduce-scatter
-    after the last pass, still hangs (see the distributed guide). Inside an :func:`oom_retry` call,
-    the step takes part in its nesting rule.
+    The function must only compute the loss: a ``zero_grad()`` at its top is fine, an
+    ``optimizer.step()`` inside it is refused, gradients it writes otherwise (its own
+    ``backward()``, clipping) are a ``RuntimeError``. Calls on one model are serialised across
+    threads. Under ``DistributedDataParallel`` or FSDP2 (``fully_shard``) every rank must call
+    the step; ranks agree after each pass and gradients are reduced once at the end (see the
+    distributed guide for what is protected).
 
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
@@ -1031,52 +934,36 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             batch is redone. Default ``None``: nothing is called.
         sync: agree with the other ranks of a distributed job after each pass.
             Default ``"auto"``.
-        reduction: ``"mean"`` or ``"sum"``, what the step's loss is over its samples.
-        weight: for a loss that is a mean over something other than samples (tokens): a
-            callable taking a slice (the batch's structure) and returning the number of
-            elements its loss averages over; each slice's loss is then weighted by
-            ``weight(slice) / weight(batch)``, and a split step has the whole batch's
-            gradients to float rounding. For a causal LM with labels ``-100`` on padding:
+        reduction: ``"mean"`` (slices weighted by their share of samples) or ``"sum"``
+            (added as they are): what the loss is over its samples. Default ``"mean"``.
+        weight: for a loss averaged over something other than samples: a callable
+            ``slice -> count`` (tokens); each slice's loss is weighted by
+            ``weight(slice) / weight(batch)``. For a causal LM with labels ``-100`` on padding:
             ``weight=lambda b: (b["labels"][..., 1:] != -100).sum()``. ``None``: samples.
         grow_every: after this many steps without an out-of-memory, try the next larger
-            slice size (``ceil(size / factor)``, doubling for ``"auto"`` and callables, at
-            most the batch), stepping back at once if it fails; ``None``: never.
+            slice size, stepping back at once if it fails; ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward.
             Default ``None``: no scaling.
-        cost: a callable taking a batch and returning what it costs in memory, in any unit
-            that grows with it (a number >= 0: its tokens, ``lambda b: b["attention_mask"]
-            .sum()``, or pixels); slices are planned in it. ``None``: the elements of the
-            batch's tensors and arrays (padding counts: it takes memory too). Read only once
-            a batch has been split.
+        cost: a callable ``batch -> number >= 0`` that grows with its memory (tokens:
+            ``lambda b: b["attention_mask"].sum()``); slices are planned in it. ``None``: the
+            elements of the batch's tensors and arrays.
         recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
-            batch once more with its activations recomputed in backward (the children of
-            the model's ``ModuleList`` and ``Sequential`` containers under non-reentrant
-            ``torch.utils.checkpoint``, or a Hugging Face model's
-            ``gradient_checkpointing_enable()``), for that batch only; the attempts it ran
-            have ``recompute=True``. ``False``: no recompute (the ``offload`` rung may
-            still follow). Default ``True``.
-        offload: on a CUDA, ROCm or XPU device, when that batch still runs out of memory
-            at ``min_batch_size`` (with recompute where it ran, or where the model has no
-            blocks to recompute), redo it once more with the tensors autograd saves for
-            backward kept in pinned host memory
-            (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), recompute still on
-            where it ran (then the device keeps the parameters, their gradients and one
-            block's activations at a time). For that batch only; the attempt it ran has
-            ``offload=True``. Never on the CPU (nothing to move), nor after the host's own
-            memory ran out. ``False``: give up there. Default ``True``.
+            batch once with activations recomputed in backward (``torch.utils.checkpoint``
+            on the model's ``ModuleList``/``Sequential`` children, or a Hugging Face model's
+            ``gradient_checkpointing_enable()``). Default ``True``.
+        offload: on a CUDA, ROCm or XPU device, when that still runs out of memory, redo it
+            once more with the tensors saved for backward in pinned host memory
+            (``save_on_cpu(pin_memory=True)``). Never on the CPU. Default ``True``.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole
-        batch's loss, detached, and exposes ``microbatch_size`` (the slice size that fitted;
-        ``None`` until a batch had to be split), ``history`` (the last call's
-        :class:`Attempt` records, ``unit="microbatch"``, ``steps`` the number of slices)
-        and ``reset()``.
+        batch's loss, detached, and exposes ``microbatch_size``, ``history`` (``steps``: the
+        number of slices) and ``reset()``.
 
     Raises:
         OutOfMemoryError: when the slice at ``min_batch_size`` (or the ``max_attempts``-th
-            pass) runs out of memory too.
-        TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``
-            (shard it with ``fully_shard`` instead).
+            pass) runs out of memory too, after the recompute and offload rungs.
+        TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``.
         NotImplementedError: at a call, for parameters with a post-accumulate-grad hook.
 
     >>> import torch, memguard
