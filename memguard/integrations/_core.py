@@ -1,11 +1,7 @@
 """What the three callbacks share, free of any framework: an epoch (or validation run) is a
-``memory_scope``; its end gives the metrics each callback hands to its framework's channel.
-
-Names of the metrics: ``memory/<device>/peak``, ``memory/<device>/retained`` and
-``memory/<device>/allocated`` in MiB for a training epoch, ``val_memory/<device>/...`` for a
-validation run, ``memory/<device>/step_allocated`` and ``.../step_reserved`` for the
-step-level readings of ``log_every_n_steps``.
-"""
+``memory_scope`` whose end gives the metrics: ``memory/<device>/peak``, ``.../retained``,
+``.../allocated`` (MiB; ``val_memory/...`` for validation), and ``.../step_allocated``,
+``.../step_reserved`` for ``log_every_n_steps``."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ PREFIX = {TRAIN: "memory", VAL: "val_memory"}
 
 def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
                   log_every_n_steps: Any) -> tuple[Optional[int], bool, Cleanup, Optional[int]]:
-    """The callbacks' parameters, checked; each wrong value is a ``ValueError`` or
-    ``TypeError`` that names it.
+    """The callbacks' parameters, checked (``ValueError`` or ``TypeError`` naming the value).
 
     >>> check_options("64MiB", False, "auto", None)
     (67108864, False, 'auto', None)
@@ -48,9 +43,8 @@ def check_options(max_leak: Optional[Size], track_tensors: Any, cleanup: Any,
 
 
 class Tracker:
-    """The scopes of one callback: the open ones by kind (``"train"``, ``"val"``), how many of
-    each kind ended (the first is the warm-up, judged by no ``max_leak``), the last step seen
-    and the failures recorded.
+    """The scopes of one callback: the open ones by kind (``"train"``, ``"val"``), the count of
+    each that ended (the first is the warm-up), the last step and the failures.
 
     >>> tracker = Tracker("demo", None, False, "auto", None)
     >>> tracker.begin("train")
@@ -75,8 +69,7 @@ class Tracker:
         self._pairs: list[tuple[Backend, str]] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        """Options, finished scopes and failures; not this process's backends (read again on
-        use) nor a scope still open (a copy starts with no run open)."""
+        """Options, finished scopes and failures; not the backends nor an open scope."""
         return dict(self.__dict__, _pairs=[], open={})
 
     # -- scopes --------------------------------------------------------------------------------
@@ -96,8 +89,7 @@ class Tracker:
             self._pairs = resolve_devices(None)
 
     def end(self, kind: str) -> tuple[dict[str, float], Optional[MemoryLeakError]]:
-        """Close the scope of ``kind``: its metrics, and the leak error to raise once they are
-        logged (``None`` without one)."""
+        """Close the scope of ``kind``: its metrics, and the leak error to raise after logging."""
         scope = self.open.pop(kind, None)
         if scope is None:
             return {}, None
@@ -111,10 +103,8 @@ class Tracker:
         return metrics_of(scope, PREFIX[kind]), error
 
     def _close_quietly(self, scope: MemoryScope) -> None:
-        """Close the scope of a failed run: measured, unjudged and without cleanup. Lightning
-        calls ``on_exception`` inside its ``except``, where the traceback still holds the
-        failed frames: a collection there costs ~70 ms and frees nothing they hold; whoever
-        handles the error (``oom_retry``) cleans up after it."""
+        """Close a failed run's scope: measured, unjudged, no cleanup (Lightning calls
+        ``on_exception`` inside ``except``: a collection there frees nothing)."""
         try:
             scope.close(cleanup="never", judge=False)
         except Exception as exc:  # noqa: BLE001 - closing after a failure must not fail
@@ -150,8 +140,7 @@ class Tracker:
 
     # -- failures ------------------------------------------------------------------------------
     def start_run(self) -> None:
-        """A new ``fit``/``train`` starts: close what a failed one left open, and start the
-        warm-up again (a retry runs at another batch size)."""
+        """A new ``fit``/``train``: close what a failed one left open; warm-up again."""
         if self.open:
             log.warning("%s: the previous run ended inside %s without reaching its end (an "
                         "exception); its measurements are dropped", self.framework,
@@ -163,13 +152,9 @@ class Tracker:
     def failed(self, exc: Optional[BaseException], *, step: Optional[int] = None,
                batch_size: Optional[int] = None, memory: Optional[MemorySnapshot] = None,
                error: Optional[str] = None) -> Optional[dict[str, Any]]:
-        """Record an out-of-memory (``exc``, or an ``oom_retry`` failure described by
-        ``error``): log it with the memory at the failure, the batch size and the step, close
-        the open scopes unjudged and start the warm-up again. The line is a WARNING unless an
-        ``oom_retry`` handles the failure (``error`` given, or ``exc`` raised inside one):
-        that one logs each out-of-memory it retries at WARNING, so this line is DEBUG and
-        each failure is logged once. Returns the record, or ``None`` when ``exc`` is not an
-        out-of-memory (then only the scopes are closed)."""
+        """Record an out-of-memory (``exc``, or ``oom_retry``'s ``error``): log it, close the open
+        scopes unjudged, warm up again. DEBUG where an ``oom_retry`` logs it already, else WARNING.
+        Returns the record, or ``None`` when ``exc`` is not an out-of-memory."""
         oom = exc is None or is_oom_error(exc)
         self.close_all()
         self.ended = {TRAIN: 0, VAL: 0}
@@ -194,9 +179,7 @@ class Tracker:
         return record
 
     def on_retry(self, attempt: Attempt) -> None:
-        """For ``oom_retry(on_retry=callback.on_retry)``: record the failure (unless the
-        callback saw it already) with the attempt's memory at the failure and batch size (at
-        DEBUG: ``oom_retry`` logged it), and leave the callback ready for the next attempt."""
+        """For ``oom_retry(on_retry=...)``: record the failure unless seen, at DEBUG."""
         if self._failed:
             self._failed = False
             self.close_all()
@@ -207,12 +190,9 @@ class Tracker:
 
 
 class CallbackBase:
-    """What the three ``MemguardCallback`` classes share: their parameters, their
-    :class:`Tracker`, ``scopes``, ``failures`` and ``on_retry``, and pickling (a copy keeps
-    the finished scopes and failures, not the framework's objects). Listed before the framework's
-    callback class, which stays a base (``class MemguardCallback(CallbackBase,
-    keras.callbacks.Callback)``); ``_framework`` names the framework in the log, and
-    ``_init_state`` sets a subclass's own attributes.
+    """What the three ``MemguardCallback`` classes share: parameters, :class:`Tracker`,
+    ``scopes``, ``failures``, ``on_retry`` and pickling. Listed before the framework's callback
+    base; ``_framework`` names the framework in the log.
 
     >>> class Demo(CallbackBase):
     ...     _framework = "demo"
@@ -239,40 +219,34 @@ class CallbackBase:
         """Set the subclass's own attributes (nothing here)."""
 
     def __getstate__(self) -> dict[str, Any]:
-        """Options, finished scopes and failures, without the run's links (``_run_links``):
-        a callback pickles and deep-copies after a run, its copy ready for a run of its
-        own."""
+        """Options, finished scopes and failures, not the run's links: a copy is ready for a run."""
         state = dict(self.__dict__)
         state.update({name: None for name in self._run_links if name in state})
         return state
 
     @property
     def scopes(self) -> list[MemoryScope]:
-        """Every finished training epoch's and validation run's (evaluation's) scope, in
-        order."""
+        """Every finished training epoch's and validation run's scope, in order."""
         return self._tracker.scopes
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        """Every out-of-memory failure seen, in order, each a dict of ``step``, ``batch_size``,
-        ``error`` and ``memory``."""
+        """Every out-of-memory seen, in order: dicts of ``step``, ``batch_size``, ``error``,
+        ``memory``."""
         return self._tracker.failures
 
     def on_retry(self, attempt: Attempt) -> None:
-        """``oom_retry(on_retry=callback.on_retry)``: record the failure (unless the callback
-        saw it already; logged at DEBUG, ``oom_retry`` has logged it) and be ready for the next
-        attempt.
+        """For ``oom_retry(on_retry=callback.on_retry)``: record the failure and be ready for the
+        next attempt.
 
         Args:
             attempt: the failed :class:`memguard.Attempt` that ``oom_retry`` hands its
-                ``on_retry``.
-        """
+                ``on_retry``."""
         self._tracker.on_retry(attempt)
 
 
 def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
-    """``{"memory/host/peak": MiB, "memory/host/retained": MiB, "memory/host/allocated":
-    MiB, ...}`` of a closed scope; a device whose figure is unknown is left out."""
+    """``{"memory/host/peak": MiB, ...}`` of a closed scope; unknown figures left out."""
     out: dict[str, float] = {}
     for device, peak in scope.peak.items():
         if peak is not None:
@@ -287,8 +261,7 @@ def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:
 
 
 def retry_running() -> bool:
-    """Whether an ``oom_retry`` call runs in this thread or task (it logs each out-of-memory
-    it retries, so a callback inside it need not)."""
+    """Whether an ``oom_retry`` call (which logs each out-of-memory) runs in this thread or task."""
     from ..loop import running
 
     return running()
@@ -312,12 +285,9 @@ def missing(package: str, extra: str, what: str) -> ImportError:
 # -- what a split step's slices are weighted by ------------------------------------------------
 def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
                  ) -> Callable[[Any], Any]:
-    """The default ``weight`` of the trainer integrations: what a loss averages over, read
-    from a slice of the batch. In a mapping batch: the ``shift_labels`` that are not -100,
-    else the ``labels`` that are not -100 (over ``labels[..., 1:]`` when ``shifts``, as a
-    causal language model's loss shifts them); otherwise the slice's samples. Where the
-    labels have no -100, that count is proportional to the samples: the same weighting.
-    ``told`` is called once with what is counted, at the first count of labels.
+    """The trainers' default ``weight``: in a mapping batch, the ``shift_labels`` (else
+    ``labels``, shifted when ``shifts``) that are not -100; otherwise the samples. ``told`` is
+    called once with what is counted.
 
     >>> import torch
     >>> weight = token_weight(shifts=True)
@@ -347,10 +317,8 @@ def token_weight(shifts: bool, told: Optional[Callable[[str], None]] = None
 
 @contextlib.contextmanager
 def probing(module: Any) -> Iterator[None]:
-    """``module`` in eval mode, without gradients, the random number generators forked
-    (torch's, Python's ``random`` and numpy's global one): a forward that changes nothing the
-    run sees. Each submodule's mode is put back as it was
-    (a BatchNorm the program froze in eval mode stays so)."""
+    """``module`` in eval mode, without gradients, the RNGs (torch, ``random``, numpy) forked:
+    a forward the run does not see. Each submodule's mode is put back."""
     import torch
 
     modes = [(m, m.training) for m in module.modules()]
@@ -371,11 +339,8 @@ def probing(module: Any) -> Iterator[None]:
 
 
 def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
-    """A count of the tokens of ``batch`` and of its slices, where it holds exactly one
-    integer tensor of two or more dimensions with -100 in it (labels padded as PyTorch's
-    ``cross_entropy`` ignores them, under whatever name): the entries that are not -100.
-    ``None`` where there is no such tensor, or several. Looked for in mappings, lists,
-    tuples and dataclasses, three levels deep.
+    """A count of the entries not -100 of the one integer tensor (2+ dimensions) holding -100 in
+    ``batch``, for it and its slices; ``None`` where there is none or several.
 
     >>> import torch
     >>> count = padded_labels({"x": torch.ones(2, 3), "y": torch.tensor([[1, -100], [2, 3]])})
@@ -396,8 +361,7 @@ def padded_labels(batch: Any) -> Optional[Callable[[Any], Any]]:
 
 
 def padded_paths(batch: Any) -> list[tuple[Any, ...]]:
-    """Where :func:`padded_labels` finds integer tensors of two or more dimensions with -100
-    in them: each a path of ``(is_attribute, key)`` steps; the first two found at most.
+    """The paths (``(is_attribute, key)`` steps) of such tensors; the first two at most.
 
     >>> import torch
     >>> padded_paths({"x": torch.ones(2, 3), "y": torch.tensor([[1, -100], [2, 3]])})
@@ -435,31 +399,23 @@ SAMPLES_OR_LABELLED = "samples or labelled"
 
 def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
                   length: int, most: int = 4, known: Optional[str] = None) -> Optional[str]:
-    """What a loss's own mean is over, read from its values: ``loss(i, j)`` on samples
-    ``i:j`` of a batch of ``length`` and ``tokens(i, j)`` the tokens counted there. A mean
-    over tokens weights each sample by its tokens, one over samples weights them alike, one
-    over the labelled samples weights those with any token alike and the others not at all:
-    the loss of ``most`` consecutive samples together is predicted from their single losses
-    each way, and the prediction it matches wins. The samples read are the first ``most``
-    that hold what the batch holds of: two samples of different counts, a sample without
-    tokens beside one with, two samples with tokens of different counts (samples that do not
-    differ so cannot tell those means apart).
+    """What a loss's own mean is over, read from its values: the loss of ``most`` samples together
+    is predicted from their single losses weighted by tokens, alike, or alike over the labelled
+    ones, and the matching prediction wins. The samples read are the first that differ enough
+    to tell the means apart.
 
     Args:
         loss: the loss of samples ``i:j``, a float.
         tokens: the tokens counted in samples ``i:j``.
         length: the samples of the batch.
         most: the most samples read together.
-        known: the answer of an earlier batch, :data:`SAMPLES_OR_LABELLED`, given back at
-            once (no loss computed) where this batch has no sample without tokens either.
+        known: an earlier batch's :data:`SAMPLES_OR_LABELLED`, given back at once where this
+            batch cannot tell more.
 
     Returns:
-        ``"tokens"``, ``"samples"`` or ``"labelled"``; ``"either"`` where every sample of the
-        batch counts as many tokens, or the matching means weight this batch alike by
-        tokens: a later batch may not; :data:`SAMPLES_OR_LABELLED` where a mean over all
-        samples matches on a batch whose every sample has tokens; ``None`` where none
-        matches (a weighting of its own), or several that weight this batch differently,
-        or fewer than two samples say nothing.
+        ``"tokens"``, ``"samples"`` or ``"labelled"``; ``"either"`` where this batch weights
+        alike either way; :data:`SAMPLES_OR_LABELLED` where every sample has tokens and a
+        sample mean matches; ``None`` where none or several differing ones match.
 
     >>> values, counts = [2.0, 4.0], [1, 3]
     >>> def token_mean(i, j):
@@ -519,8 +475,7 @@ def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int]
 
 def read_mean(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
               length: int, known: Optional[str] = None) -> Optional[str]:
-    """:func:`averaged_over` on four samples, else on two where four together run out of
-    memory (the batch that did may be small); ``None`` where two do as well."""
+    """:func:`averaged_over` on four samples, else two where four run out of memory."""
     for most in (4, 2):
         try:
             return averaged_over(loss, tokens, length, most, known)
@@ -531,8 +486,7 @@ def read_mean(loss: Callable[[int, int], float], tokens: Callable[[int, int], fl
 
 
 def labelled_samples(tokens: Callable[[Any], Any]) -> Callable[[Any], int]:
-    """The weight of a mean over the labelled samples: the samples of a slice whose
-    ``tokens`` (a count such as :func:`token_weight`'s) are more than zero.
+    """The weight of a mean over the labelled samples: those whose ``tokens`` count is above 0.
 
     >>> import torch
     >>> weight = labelled_samples(token_weight(shifts=False))
@@ -550,8 +504,7 @@ def labelled_samples(tokens: Callable[[Any], Any]) -> Callable[[Any], int]:
 
 
 def failure_text(error: BaseException) -> str:
-    """What a failed probe raised, in one short line: an out-of-memory as ``oom_retry``
-    writes it, any other error as its type and the first line of its message."""
+    """A failed probe's error in one line (an out-of-memory as ``oom_retry`` writes it)."""
     if is_oom_error(error):
         return error_text(error)
     lines = str(error).strip().splitlines()
@@ -560,8 +513,7 @@ def failure_text(error: BaseException) -> str:
 
 
 def causal_lm(module: Any) -> bool:
-    """Whether ``module`` is a Hugging Face model whose loss is a causal language model's,
-    which shifts the labels (``False`` where transformers was never imported)."""
+    """Whether ``module`` is a Hugging Face causal LM (its loss shifts the labels)."""
     if "transformers" not in sys.modules:
         return False
     try:

@@ -1,19 +1,10 @@
-"""The microbatched ``training_step`` of a ``LightningModule``: what
-``MemguardCallback(microbatch=True)`` puts in place of the module's own for the length of a
-fit, so that an out-of-memory in ``training_step`` or its backward redoes the batch in slices
-within the same optimizer step.
+"""The microbatched ``training_step`` that ``MemguardCallback(microbatch=True)`` puts in place
+of a ``LightningModule``'s for a fit.
 
-Lightning's automatic optimisation runs ``training_step``, then ``zero_grad`` (on the first
-batch of an accumulation window), then backward of the returned loss. The replacement
-therefore runs :func:`memguard.auto_microbatch` (forward and backward of every slice) with the
-parameters' gradients moved aside, takes the new gradients away, puts the old ones back and
-returns the whole batch's loss as a *carrier*: a tensor whose backward hands the new gradients
-to the parameters. Lightning's ``zero_grad`` then clears what it always clears, and its
-backward (scaled by ``1 / accumulate_grad_batches``, inside DDP's reducer where DDP averages)
-writes exactly what backward of the unsplit loss would have.
-
-Its public face is :class:`memguard.integrations.lightning.MemguardCallback`.
-"""
+Lightning runs ``training_step``, then ``zero_grad``, then backward. So the replacement runs
+:func:`memguard.auto_microbatch` with the gradients moved aside, takes the new gradients,
+puts the old ones back and returns a *carrier*: the loss, whose backward hands the new
+gradients to the parameters (scaled and reduced as Lightning's backward would)."""
 
 from __future__ import annotations
 
@@ -47,22 +38,17 @@ log = logging.getLogger("memguard")
 
 
 def check_options(options: dict[str, Any]) -> None:
-    """Refuse bad :func:`memguard.auto_microbatch` options when the callback is made, not at
-    ``fit`` (``auto_microbatch`` checks its options early)."""
+    """Refuse bad :func:`memguard.auto_microbatch` options when the callback is made."""
     auto_microbatch(torch.nn.Linear(1, 1), **options)
 
 
 class MicrobatchedTrainingStep:
-    """What ``MemguardCallback(microbatch=True)`` puts in place of a ``LightningModule``'s
-    ``training_step`` for one fit: the module's own step, run under
-    :func:`memguard.auto_microbatch` with the parameters' gradients set aside, returning the
-    carrier of the gradients it wrote.
+    """The module's own step under :func:`memguard.auto_microbatch`, returning the carrier of
+    the gradients it wrote.
 
     Attributes:
-        step: the :func:`memguard.auto_microbatch` step over the module's ``training_step``
-            (its ``microbatch_size``, ``history`` and ``reset``).
-        last_size: the slice size of the last step (the batch's size when unsplit), until the
-            callback has logged it.
+        step: the :func:`memguard.auto_microbatch` step over the module's ``training_step``.
+        last_size: the slice size of the last step, until the callback has logged it.
 
     >>> from memguard.integrations._lightning_step import MicrobatchedTrainingStep
     >>> MicrobatchedTrainingStep.__name__
@@ -169,14 +155,12 @@ class MicrobatchedTrainingStep:
 
 
 class _Skipped(Exception):
-    """``training_step`` returned ``None`` (for any slice): the whole batch is skipped, its
-    slices' gradients dropped, as Lightning skips a batch whose step returns ``None``."""
+    """``training_step`` returned ``None``: the whole batch is skipped, as Lightning does."""
 
 
 class _Carrier(torch.autograd.Function):
-    """The whole batch's loss (its value) whose backward hands gradients computed already
-    (scaled by ``scale``, a GradScaler's) to the parameters, scaled by the gradient that
-    reaches it divided by ``scale``."""
+    """The loss whose backward hands ready gradients (scaled by ``scale``) to the parameters,
+    times the incoming gradient over ``scale``."""
 
     @staticmethod
     def forward(ctx: Any, loss: Any, grads: list[Any], scale: float, *params: Any) -> Any:
@@ -198,8 +182,7 @@ class _Carrier(torch.autograd.Function):
 
 
 def _carrier(loss: Any, params: list[Any], grads: list[Any], scale: float = 1.0) -> Any:
-    """``loss`` (detached), carrying ``grads`` (scaled by ``scale``) into ``params`` at its
-    backward."""
+    """``loss`` (detached), carrying ``grads`` into ``params`` at its backward."""
     used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
     if not used:
         return loss
@@ -208,10 +191,8 @@ def _carrier(loss: Any, params: list[Any], grads: list[Any], scale: float = 1.0)
 
 
 class _HeldLogs:
-    """The ``self.log`` calls of a step's passes, held back: those of a pass that ran out of
-    memory are dropped, those of the pass that succeeded are made once it ends, in order, so
-    that what is logged (epoch means, ``batch_size`` weights) is what the slices that count
-    logged. ``log_dict`` goes through ``log``."""
+    """A step's ``self.log`` calls, held back: a failed pass's dropped, the good pass's made
+    once it ends, in order."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -250,9 +231,8 @@ class _HeldLogs:
 
 
 class _MetricStates:
-    """The states of the module's torchmetrics ``Metric`` s, saved when a step starts and
-    put back before a pass that ran out of memory is redone, so that a metric updated in
-    ``training_step`` counts each sample once (nothing where torchmetrics is not in use)."""
+    """The module's torchmetrics states, put back before a failed pass is redone (each sample
+    counts once)."""
 
     def __init__(self, module: Any) -> None:
         self.metrics: list[Any] = []
@@ -292,13 +272,9 @@ def _detached(value: Any) -> Any:
 
 def _default_weight(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                     call: list[tuple[tuple, dict]]) -> Callable[[Any], Any]:
-    """What ``weight`` is when none is given, chosen at the first split from the whole
-    batch: where it holds labels padded with -100 (``labels``, shifted when the module holds
-    a Hugging Face causal language model, or the one integer tensor with -100 in it), the
-    loss's own mean is read off ``training_step`` (``step``, run in eval mode without
-    gradients on four samples alone and together, its ``self.log`` calls and metric updates
-    undone; see :func:`~memguard.integrations._core.averaged_over`): by the labels that
-    are not -100 for a mean over tokens, by samples for a mean over samples. Logged."""
+    """The ``weight`` chosen at the first split where none is given: where the batch holds labels
+    padded with -100, the loss's own mean is read off ``training_step`` (see
+    :func:`~memguard.integrations._core.averaged_over`): tokens or samples."""
     shifts = any(causal_lm(m) for m in module.modules())
     named = token_weight(shifts)
     chosen: list[Callable[[Any], Any]] = []
@@ -326,9 +302,8 @@ def _weight_for(module: Any, step: Callable[..., Any], logs: _HeldLogs,
                 call: tuple[tuple, dict], batch: Any, named: Callable[[Any], Any],
                 shifts: bool, known: Optional[list[str]] = None
                 ) -> tuple[Callable[[Any], Any], bool]:
-    """The weight :func:`_default_weight` chooses for ``batch``, and whether it holds for
-    later batches (``False`` where this batch weights its slices alike either way: no labels
-    padded with -100, or every sample as many tokens)."""
+    """The weight :func:`_default_weight` chooses for ``batch``, and whether it holds for later
+    batches (``False`` where this batch cannot tell)."""
     from .._slices import plan_batch
 
     name = type(module).__name__

@@ -1,14 +1,7 @@
 """``MemguardCallback`` for PyTorch Lightning (``pip install "memguard-ml[lightning]"``): the
-memory of every epoch and validation run in the module's logs, a leak verdict per epoch,
-out-of-memory failures kept and logged; with ``microbatch=True`` it puts the microbatched
-step (``_lightning_step``) in place of the module's ``training_step`` for each fit, so that an
-out-of-memory in ``training_step`` or its backward redoes the batch in slices within the same
-optimizer step, with the unsplit step's gradients.
-
->>> import pytorch_lightning as pl                                      # doctest: +SKIP
->>> from memguard.integrations.lightning import MemguardCallback        # doctest: +SKIP
->>> trainer = pl.Trainer(callbacks=[MemguardCallback(max_leak="256MiB")])  # doctest: +SKIP
-"""
+memory of every epoch and validation run in the module's logs, a leak verdict per epoch, and
+with ``microbatch=True`` a training step (``_lightning_step``) that redoes a batch in slices
+on out-of-memory."""
 
 from __future__ import annotations
 
@@ -39,37 +32,36 @@ MICROBATCH_OPTIONS = ("min_batch_size", "factor", "max_attempts", "on_retry", "s
 
 class MemguardCallback(CallbackBase, _pl.Callback):
     """Memory of every training epoch and validation run, logged through
-    ``LightningModule.log`` (so every Lightning logger gets it).
+    ``LightningModule.log``; with ``microbatch=True``, recovery from out-of-memory inside
+    each training step.
 
-    Each training epoch and each validation run (not the sanity check) is a
-    :func:`memguard.memory_scope`; at its end ``memory/<device>/peak``, ``.../retained`` and
-    ``.../allocated`` (MiB; ``val_memory/...`` for validation) are logged. ``log_every_n_steps``
-    adds ``memory/<device>/step_allocated`` and ``step_reserved`` every N optimizer steps
-    (readings that cost microseconds). ``max_leak`` (bytes or ``"256MiB"``): from the second
-    epoch on (the first is the warm-up), an epoch that retains more raises
-    :class:`memguard.MemoryLeakError`, naming the biggest leaked tensors and their holders with
-    ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end (``"auto"``,
-    ``"always"`` or ``"never"``, as for ``memory_scope``); nothing is done per step.
+    Each epoch and validation run is a :func:`memguard.memory_scope`; at its end
+    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB; ``val_memory/...``
+    for validation) are logged. An out-of-memory during ``fit`` is kept in ``failures`` and
+    the callback is ready for the next ``fit``; pass ``on_retry=callback.on_retry`` to an
+    ``oom_retry`` around ``fit``.
 
-    An out-of-memory during ``fit`` is kept in ``failures`` with the memory at the failure,
-    the batch size and the step, and logged once: at WARNING on the ``memguard`` logger, or at
-    DEBUG inside an ``oom_retry``, whose WARNING retry line reports it; the open
-    scopes are closed and the warm-up starts again, so ``oom_retry`` around ``fit`` can run
-    again. Pass ``on_retry=callback.on_retry`` to ``oom_retry``: it readies the callback (the
-    next ``fit`` would too). ``scopes`` holds every finished scope.
+    With ``microbatch=True`` the module's ``training_step`` runs under
+    :func:`memguard.auto_microbatch` for each fit: the batch is redone in slices within the
+    same optimizer step, with the unsplit step's gradients (with gradient accumulation,
+    clipping, mixed precision and DDP). ``training_step`` returns the loss (or a dict with
+    ``"loss"``); slices are weighted by samples, by ``weight``, or by the labels not -100
+    where the loss is read to average over tokens. Values logged with ``self.log`` by a
+    failed pass are dropped. The slice size is logged as ``memory/microbatch_size`` and kept
+    in checkpoints. See the trainers guide for the details.
 
     Args:
-        max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
-            or a size such as ``"256MiB"``; ``None`` judges nothing.
+        max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
+            retain on a device, in bytes or a size such as ``"256MiB"``; ``None`` (the
+            default) judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
             Default ``False``.
-        cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
-            ``"never"``.
+        cleanup: the epoch scope's policy at each epoch's end: ``"auto"`` (the default),
+            ``"always"`` or ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
-            ``None`` for epochs only.
-        microbatch: recover from an out-of-memory inside each training step: the batch is
-            redone in slices within the same optimizer step, with the unsplit step's
-            gradients (see below). Needs automatic optimisation. Default ``False``.
+            ``None`` (the default) for epochs only.
+        microbatch: recover from an out-of-memory inside each training step (needs automatic
+            optimisation). Default ``False``.
         min_batch_size: with ``microbatch=True``, the smallest slice size tried, in samples.
             Default ``None``: :func:`memguard.auto_microbatch`'s (1).
         factor: with ``microbatch=True``, the next slice size is ``floor(size * factor)``;
@@ -83,54 +75,24 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             (``"auto"``, ``True``, ``False``). Default ``None``: ``"auto"``.
         reduction: with ``microbatch=True``, ``"mean"`` or ``"sum"``, what the loss is over
             its samples. Default ``None``: ``"mean"``.
-        weight: with ``microbatch=True``, a callable taking a slice and returning the count
-            its loss averages over (tokens). Default ``None``: see below.
+        weight: with ``microbatch=True``, a callable ``slice -> count`` its loss averages
+            over (tokens). Default ``None``: read from the loss, as above.
         grow_every: with ``microbatch=True``, try the next larger slice size after this many
             steps without an out-of-memory. Default ``None``: never.
         recompute: with ``microbatch=True``, recompute activations when one slice of
             ``min_batch_size`` still runs out of memory. Default ``None``:
             :func:`memguard.auto_microbatch`'s (``True``).
-        cost: with ``microbatch=True``, a callable taking a batch and returning what it costs
-            in memory (its tokens, say): slices are planned in it. Default ``None``: the
-            elements of the batch's tensors.
-
-    With ``microbatch=True``, for the length of each ``fit`` the module's ``training_step``
-    runs under :func:`memguard.auto_microbatch`: an out-of-memory (:func:`memguard.is_oom_error`)
-    in ``training_step`` or in backward drops the pass's gradients, frees memory and redoes
-    the same batch in slices along dim 0 (the size that fitted is kept for later batches);
-    the gradients written are those of backward of the whole batch's loss, with
-    ``accumulate_grad_batches``, gradient clipping, ``precision="bf16-mixed"``,
-    ``"16-mixed"`` (memguard's backward scaled by the precision plugin's ``GradScaler``) and
-    ``strategy="ddp"`` (ranks agree after every pass on memguard's gloo group, so one rank's
-    out-of-memory hangs no one; DDP averages the gradients once, in Lightning's backward).
-    ``training_step`` must return the loss (a scalar tensor, or a dict with ``"loss"``; the
-    dict's other entries are those of the last slice; ``None`` skips the whole batch), a
-    mean over the batch's samples (``reduction="mean"``), a sum (``"sum"``) or a mean over
-    what ``weight`` counts (tokens). Without ``weight``, where the batch holds labels padded
-    with -100 (``labels``, over ``labels[..., 1:]`` for a Hugging Face causal language model
-    in the module, or the one integer tensor with -100 in it), what the loss's own mean is
-    over is read at the first split from ``training_step`` on four samples alone and together
-    (the first four from the first two neighbours whose label counts differ; a batch whose
-    samples all count as many waits for the next split; eval mode, no gradients, its logs,
-    metric updates and random draws undone): a mean over
-    tokens weighs each slice by its labels that are not -100, a mean over samples by its
-    samples (logged at INFO); other batches are weighted by samples. The trained parameters
-    are read at every step (a layer unfrozen during the fit trains). Values the step logs with
-    ``self.log`` are held back: a pass that ran out of memory logs nothing (and the module's
-    torchmetrics states are put back before it is redone); the pass that counts logs once
-    per slice (pass ``batch_size=`` the slice's size for exact epoch means). The slice size of
-    each step (the batch's size when unsplit) is logged as ``memory/microbatch_size``
-    through the module's ``log``; ``microbatch_size`` holds the size that fitted. That size
-    is kept in the callback's state in every checkpoint (``state_dict``), and a fit resumed
-    from one (``ckpt_path=``), or a later ``fit`` with the same callback, starts from it.
+        cost: with ``microbatch=True``, a callable ``batch -> number`` that grows with its
+            memory (tokens): slices are planned in it. Default ``None``: the elements of the
+            batch's tensors.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
             ``max_leak``.
-        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (a ``TypeError``
-            for one of the wrong type), named with its
-            value; with ``microbatch=True``, a module with ``automatic_optimization = False``
-            (at ``fit``: call :func:`memguard.auto_microbatch` in its ``training_step``).
+        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (``TypeError``
+            for the wrong type); with ``microbatch=True``, at ``fit``, a module with
+            ``automatic_optimization = False`` (call :func:`memguard.auto_microbatch` in its
+            ``training_step`` instead).
         TypeError: ``auto_microbatch``'s options without ``microbatch=True``.
         OutOfMemoryError: during ``fit``, when the smallest slice runs out of memory too.
 
@@ -182,24 +144,21 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
     @property
     def microbatch_size(self) -> Optional[int]:
-        """The slice size that fitted (``None`` until a batch had to be split, or without
-        ``microbatch=True``)."""
+        """The slice size that fitted (``None`` until a batch was split or without microbatch)."""
         if self._step is not None and self._step.microbatch_size is not None:
             return self._step.microbatch_size
         return self._size
 
     def state_dict(self) -> dict[str, Any]:
-        """Lightning's callback state, saved with each checkpoint: the slice size learned, so
-        that a fit resumed from the checkpoint starts from it."""
+        """Lightning's callback state, saved with each checkpoint: the slice size learned."""
         return {"microbatch_size": self.microbatch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Start from the slice size a checkpoint kept (see :meth:`state_dict`).
+        """Start from the slice size a checkpoint kept.
 
         Args:
-            state_dict: what :meth:`state_dict` returned when the checkpoint was saved; a
-                ``microbatch_size`` that is not a positive int is ignored.
-        """
+            state_dict: what :meth:`state_dict` returned; a ``microbatch_size`` that is not a
+                positive int is ignored."""
         size = state_dict.get("microbatch_size")
         if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             self._size = size
@@ -258,8 +217,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
     # -- microbatch=True -----------------------------------------------------------------------
     def _install(self, pl_module: Any, trainer: Any = None) -> None:
-        """Put the microbatched step in place of ``pl_module.training_step`` (an attribute of
-        the instance, shadowing the class's method) for this fit."""
+        """Shadow ``pl_module.training_step`` with the microbatched step for this fit."""
         self._uninstall()
         self._step = MicrobatchedTrainingStep(pl_module, trainer, self._options)
         if self._size is not None:  # learned in an earlier fit, or kept in the checkpoint
@@ -275,8 +233,7 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
 
 def _batch_size(trainer: Any, pl_module: Any) -> Optional[int]:
-    """The training batch size: the train DataLoader's, else the module's ``batch_size``
-    hyperparameter; ``None`` when neither says."""
+    """The train DataLoader's batch size, else the module's ``batch_size`` hyperparameter."""
     loader = getattr(trainer, "train_dataloader", None)
     size = getattr(loader, "batch_size", None)
     if isinstance(size, int):

@@ -1,13 +1,6 @@
 """memguard for the Hugging Face ``Trainer`` (``pip install "memguard-ml[transformers]"``):
-``MemguardCallback``, the memory of every epoch and evaluation in the trainer's logs, and
-``auto_microbatch``, which puts the microbatched step (``_transformers_step``) in place of the
-trainer's ``training_step`` and attaches the callbacks to it.
-
->>> from transformers import Trainer                                        # doctest: +SKIP
->>> from memguard.integrations import transformers as mg                  # doctest: +SKIP
->>> trainer = mg.auto_microbatch(Trainer(model, args, train_dataset=data,   # doctest: +SKIP
-...                                      callbacks=[mg.MemguardCallback()]))
-"""
+``MemguardCallback`` logs the memory of every epoch and evaluation; ``auto_microbatch`` makes
+the trainer's step redo a batch in slices on out-of-memory."""
 
 from __future__ import annotations
 
@@ -39,50 +32,32 @@ TrainerT = TypeVar("TrainerT", bound="_transformers.Trainer")
 
 class MemguardCallback(CallbackBase, _TrainerCallback):
     """Memory of every training epoch and evaluation, logged into the trainer's
-    ``state.log_history`` and its reporters (TensorBoard, W&B, ...), as ``Trainer.log`` does.
+    ``state.log_history`` and its reporters (TensorBoard, W&B, ...).
 
-    Each training epoch and each evaluation is a :func:`memguard.memory_scope`; at its end
-    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB;
-    ``val_memory/...`` for an evaluation, also added to the metrics ``evaluate()`` returns)
-    are logged. ``log_every_n_steps`` adds ``memory/<device>/step_allocated`` and
-    ``step_reserved`` every N optimizer steps (readings that cost microseconds). ``max_leak``
-    (bytes or ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch
-    that retains more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked
-    tensors and their holders with ``track_tensors=True``. ``cleanup`` is the scope's policy
-    at each epoch's end (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
-
-    The ``Trainer`` tells its callbacks nothing about an exception: pass
-    ``on_retry=callback.on_retry`` to the ``oom_retry`` around ``train``, and an out-of-memory
-    is kept in ``failures`` with the memory at the failure, the batch size and the last step
-    (logged once: ``oom_retry``'s WARNING line; the callback's, "out of memory during train at
-    step ...", is DEBUG), and the callback is ready for the next attempt. Without it, the next
-    ``train`` closes what the failed one left open and starts the warm-up again. ``scopes``
-    holds every finished scope.
-
-    Memory figures join the Trainer's own log entries and never replace them: a step at which
-    both log gives one entry with the loss, ``grad_norm``, the learning rate and the memory
-    figures. The Trainer does not hand itself to its callbacks: give it with ``trainer=`` or
-    :meth:`attach` (:func:`auto_microbatch` attaches the callbacks of the trainer it wraps);
-    otherwise the callback looks for it on the call stack when training begins.
+    Each epoch and evaluation is a :func:`memguard.memory_scope`; at its end
+    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB; ``val_memory/...``
+    for an evaluation) join the Trainer's own log entry. The Trainer tells callbacks nothing
+    about an exception: pass ``on_retry=callback.on_retry`` to the ``oom_retry`` around
+    ``train`` to record failures in ``failures``.
 
     Args:
-        max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
-            or a size such as ``"256MiB"``; ``None`` judges nothing.
+        max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
+            retain on a device, in bytes or a size such as ``"256MiB"``; ``None`` (the
+            default) judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
             Default ``False``.
-        cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
-            ``"never"``.
+        cleanup: the epoch scope's policy at each epoch's end: ``"auto"`` (the default),
+            ``"always"`` or ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
-            ``None`` for epochs only.
-        trainer: the ``Trainer`` this callback serves (also :meth:`attach`); ``None``: found
-            when training begins.
+            ``None`` (the default) for epochs only.
+        trainer: the ``Trainer`` this callback serves (also :meth:`attach`); ``None`` (the
+            default): found on the call stack when training begins.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
             ``max_leak``.
-        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (a ``TypeError``
-            for one of the wrong type), named with its
-            value.
+        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (``TypeError``
+            for the wrong type).
 
     >>> from memguard.integrations.transformers import MemguardCallback
     >>> callback = MemguardCallback(max_leak="256MiB")
@@ -107,9 +82,8 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
         self._given = False  # the trainer was given: no looking on the stack
 
     def attach(self, trainer: Any) -> "MemguardCallback":
-        """Serve ``trainer``: log through its ``log`` (its ``state.log_history`` and every
-        reporter), its entries joined, never replaced. The callback must still be among the
-        trainer's callbacks (``callbacks=[...]`` or ``trainer.add_callback``).
+        """Serve ``trainer``: log through its ``log``. The callback must still be among the
+        trainer's callbacks.
 
         Args:
             trainer: a ``transformers.Trainer`` (or a subclass).
@@ -120,10 +94,8 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
         Raises:
             TypeError: ``trainer`` is not a ``transformers.Trainer``.
 
-        >>> from memguard.integrations.transformers import MemguardCallback
         >>> MemguardCallback().attach("a trainer")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ...
         TypeError: MemguardCallback.attach needs a transformers.Trainer, got str ...
         """
         _check_trainer(trainer, "MemguardCallback.attach")
@@ -185,10 +157,8 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
 
     def _log(self, state: Any, metrics: dict[str, float], control: Any = None,
              join: bool = True) -> None:
-        """Log ``metrics``: joined to the Trainer's own entry when the Trainer is about to log
-        (``control.should_log``), else as an entry of their own through ``Trainer.log``,
-        leaving ``control.should_log`` as it was (``Trainer.log`` clears it, which would
-        drop the Trainer's own entry)."""
+        """Log ``metrics``: joined to the Trainer's own entry when it is about to log, else through
+        ``Trainer.log`` with ``control.should_log`` kept (``Trainer.log`` clears it)."""
         if not metrics:
             return
         trainer = self._current_trainer()
@@ -217,8 +187,7 @@ class MemguardCallback(CallbackBase, _TrainerCallback):
 
 
 def _calling_trainer() -> Optional[Any]:
-    """The ``Trainer`` whose method runs the callbacks (the Trainer does not hand itself to
-    them): the first frame up the stack whose ``self`` is one; ``None`` if none is."""
+    """The ``Trainer`` up the call stack (the first frame whose ``self`` is one), or ``None``."""
     frame: Optional[types.FrameType] = sys._getframe(1)  # noqa: SLF001 - the Trainer is found on the stack
     for _ in range(12):
         if frame is None:
@@ -237,9 +206,8 @@ def _check_trainer(trainer: Any, who: str) -> None:
 
 
 class _LogJoin:
-    """What memguard adds to one Trainer's log entries: ``pending`` figures joined to the
-    next entry, and ``each`` (callables giving figures) joined to every training entry (one
-    with a ``loss``). Installed once per trainer by wrapping the instance's ``log``."""
+    """What memguard adds to a Trainer's log entries: ``pending`` figures for the next entry,
+    ``each`` for every training entry; installed by wrapping the instance's ``log``."""
 
     def __init__(self, original: Callable[..., Any]) -> None:
         self.original = original
@@ -281,39 +249,15 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
                     recompute: bool = True,
                     cost: Optional[Callable[[Any], Any]] = None) -> TrainerT:
     """Make a Hugging Face ``Trainer`` redo a batch in slices when it runs out of memory in
-    forward or backward, inside ``train()``: no restart, no lost step, ``state.global_step``
-    as if nothing happened.
+    forward or backward, inside ``train()``: no restart, no lost step.
 
-    The seam: the instance's ``training_step`` (the Trainer's own, or a subclass's) is
-    replaced by a :class:`MicrobatchedTrainingStep` that runs the original on each slice
-    with ``self.accelerator.backward`` held back: the loss the step hands it (after the
-    Trainer's own gradient-accumulation scaling, with the subclass's ``compute_loss``) is
-    returned to :func:`memguard.auto_microbatch`, which runs backward per slice, weighted,
-    drops a failed pass's gradients, frees memory and redoes the batch smaller. The Trainer
-    still clips, steps, schedules, logs and counts tokens on the whole batch.
-
-    What stays exact: when the Trainer passes ``num_items_in_batch`` (models that accept loss
-    kwargs, or a ``compute_loss_func``), each slice's loss is against the whole batch's
-    count, so the slices' losses add up (``reduction="sum"``); whether the loss really is
-    divided by it (a model whose ``forward`` takes ``**kwargs`` may return its own mean) is
-    checked once per model at its first split, unless the Trainer sets
-    ``loss_is_scaled_for_ga``: two gradient-free losses of one sample, with the count and
-    twice it. Otherwise each slice's loss is weighted by ``weight``; by default by what the
-    loss's own mean is over, read at the same first split (or the next whose samples do not
-    all count as many labels) from the gradient-free losses of four samples alone and
-    together, from the first that hold what the batch holds (samples of different counts, a
-    sample without labels): its labels that are not -100 (shifted as the Trainer counts
-    them), its samples, or its samples with any label (a mean of per-sample means over the
-    samples that have labels). Under DDP every rank makes as many of these gradient-free
-    ``compute_loss`` calls, for a ``compute_loss`` with a collective of its own. With
-    ``gradient_accumulation_steps > 1`` each accumulated batch is split on its own. Under DDP
-    (``torch.distributed.run``) the slices run without DDP's reduction, the ranks agree after
-    every pass on memguard's gloo group (one rank's out-of-memory hangs no one) and the
-    gradients are averaged once, where DDP would have. ``MemguardCallback`` s among the
-    trainer's callbacks are attached to it, and every training log entry gets
-    ``memory/microbatch_size`` (the slice size of the last step). The slice size learned is
-    kept with every checkpoint (:class:`MicrobatchState`, in ``trainer_state.json``), and
-    ``train(resume_from_checkpoint=...)`` starts from it.
+    The instance's ``training_step`` is replaced by a :class:`MicrobatchedTrainingStep` that
+    runs the original on each slice and hands its loss to :func:`memguard.auto_microbatch`.
+    The Trainer still clips, steps, schedules and logs on the whole batch. Slice losses are
+    exact against ``num_items_in_batch`` where the Trainer passes it, else weighted by what
+    the loss averages over (read at the first split; see the trainers guide). Works under DDP
+    and with gradient accumulation; the slice size is kept in every checkpoint
+    (:class:`MicrobatchState`) and logged as ``memory/microbatch_size``.
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass, not yet training.
@@ -324,36 +268,32 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
             ``min_batch_size``).
         on_retry: called with each failed :class:`memguard.Attempt` after the cleanup, before
             the batch is redone (default ``None``).
-        sync: agree with the other ranks of a distributed job after each pass (``"auto"``,
-            the default: when there is more than one rank; ``True``; ``False``).
+        sync: agree with the other ranks after each pass (default ``"auto"``: when there is
+            more than one rank; ``True``; ``False``).
         reduction: ``"mean"`` or ``"sum"``, what the loss is over its samples; default
-            ``None``: chosen as above (``"sum"`` against ``num_items_in_batch``, else a mean
-            weighted by ``weight``).
-        weight: a callable taking a slice and returning the count its loss averages over
-            (tokens, say); default ``None``: the labels that are not -100 or the samples,
-            whichever the loss is read to average over.
-        grow_every: after this many training steps without an out-of-memory, try the next
-            larger slice size; default ``None``: never.
+            ``None``: chosen as above.
+        weight: a callable ``slice -> count`` its loss averages over (tokens); default
+            ``None``: the labels that are not -100 or the samples, as read from the loss.
+        grow_every: after this many steps without an out-of-memory, try the next larger
+            slice size; default ``None``: never.
         scaler: a ``torch.amp.GradScaler`` that scales each backward; default ``None``: the
             accelerator's, if it has one.
-        recompute: when one slice of ``min_batch_size`` still runs out of memory, redo the
-            batch with the model's gradient checkpointing on, for that batch only;
-            default ``True`` (``False``: give up there).
-        cost: a callable taking a batch (the Trainer's inputs) and returning what it costs
-            in memory (``lambda b: b["attention_mask"].sum()``): slices are planned in it;
-            default ``None``: the elements of the batch's tensors (padding counts).
+        recompute: when a slice of ``min_batch_size`` still runs out of memory, redo the
+            batch with gradient checkpointing on, for that batch only; default ``True``.
+        cost: a callable ``batch -> number`` that grows with its memory
+            (``lambda b: b["attention_mask"].sum()``); default ``None``: the elements of the
+            batch's tensors.
 
     Returns:
-        The same trainer (typed as the class given, a subclass included);
-        ``trainer.training_step.microbatch_size`` and ``.history`` tell what the last step
-        did.
+        The same trainer; ``trainer.training_step.microbatch_size`` and ``.history`` tell what
+        the last step did.
 
     Raises:
         TypeError: ``trainer`` is not a ``Trainer``, or an option is unknown or of the wrong
             type.
         ValueError: an option's value is invalid.
         NotImplementedError: at the first step, under DeepSpeed, Megatron-LM or a LOMO
-            optimizer (their backward is not the Trainer's to split).
+            optimizer.
         OutOfMemoryError: during ``train()``, when the smallest slice runs out of memory too.
 
     >>> import transformers                                                   # doctest: +SKIP
