@@ -1,10 +1,7 @@
-"""The microbatched step of the Hugging Face ``Trainer``: what
-:func:`memguard.integrations.transformers.auto_microbatch` puts in place of its
-``training_step`` (each slice's loss handed to :func:`memguard.auto_microbatch`, weighted by
-what the loss is a mean over), and the slice size kept with every checkpoint.
-
-Its public names are imported from :mod:`memguard.integrations.transformers`.
-"""
+"""The microbatched step of the Hugging Face ``Trainer`` that
+:func:`memguard.integrations.transformers.auto_microbatch` installs, and the slice size kept
+with every checkpoint. Its public names are imported from
+:mod:`memguard.integrations.transformers`."""
 
 from __future__ import annotations
 
@@ -86,12 +83,9 @@ class MicrobatchedTrainingStep:
         self._saved: Optional[int] = None  # the size last written into the TrainerState
 
     def _agree_calls(self, model: Any, inputs: Any) -> int:
-        """Under DDP, at every step while some rank's reading of the loss is not final: the
-        ranks agree on the most gradient-free ``compute_loss`` calls a reading may make at
-        this step (each rank's bound, from its batch; 0 where its reading is final), so
-        that a ``compute_loss`` running a collective of its own (``gather_for_metrics``)
-        runs it as often on every rank that splits. ``0`` without DDP, for a step whose
-        weight is given, and once every rank's reading is final."""
+        """Under DDP, while some rank's loss reading is not final: the most gradient-free
+        ``compute_loss`` calls a reading may make at this step, agreed over the ranks, so that a
+        ``compute_loss`` with a collective of its own runs it as often. ``0`` otherwise."""
         if self._settled or not self._probes.get(id(model)):
             return 0
         if self._agreement is None:
@@ -127,9 +121,7 @@ class MicrobatchedTrainingStep:
             step.reset()
 
     def _resume(self, trainer: Any) -> None:
-        """At the first step of a ``train()``: start from the slice size a checkpoint kept
-        (``trainer_state.json``'s ``stateful_callbacks``), when the run resumed from one and
-        this step has learned none yet."""
+        """At a ``train()``'s first step: start from the slice size a resumed checkpoint kept."""
         self._run = trainer.state
         saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
         size = saved.get("attributes", {}).get("microbatch_size") \
@@ -145,8 +137,7 @@ class MicrobatchedTrainingStep:
                  "checkpoint resumed from", size)
 
     def _keep(self, trainer: Any) -> None:
-        """Write the slice size learned into the trainer's state, which every checkpoint
-        saves (``trainer_state.json``), through :class:`MicrobatchState`."""
+        """Write the slice size learned into the trainer's state (:class:`MicrobatchState`)."""
         size = self._last.microbatch_size if self._last is not None else None
         if size is None or size == self._saved:
             return
@@ -195,8 +186,7 @@ class MicrobatchedTrainingStep:
         return total * divisor if divisor != 1 else total
 
     def _step(self, trainer: Any, model: Any, reduction: str) -> Any:
-        """The microbatched slice function for ``model`` (the Trainer's wrapped model) and
-        ``reduction``, made once per model."""
+        """The microbatched slice function for ``model`` and ``reduction``, made once per model."""
         known = self._steps.get(reduction)
         if known is not None and known[0]() is model:
             return known[1]
@@ -257,11 +247,9 @@ class MicrobatchedTrainingStep:
 
 
     def _probed_weight(self, trainer: Any, items: bool) -> Callable[[Any], Any]:
-        """The weight of a slice for a loss whose reduction the Trainer does not say, found
-        out once per model by :func:`_loss_unit` at its first split (called first with the
-        whole batch): 1 for a loss divided by ``num_items_in_batch`` (``items``: the
-        Trainer passes it), else the slice's tokens (labels that are not -100) or samples,
-        whichever the loss's own mean is over."""
+        """A slice's weight where the Trainer does not say the loss's reduction, read once per model
+        by :func:`_loss_unit`: 1 for a loss divided by ``num_items_in_batch``, else its tokens or
+        samples."""
         by_tokens = _default_weight(trainer)
         labelled = labelled_samples(by_tokens)
 
@@ -309,18 +297,11 @@ class MicrobatchedTrainingStep:
 def _loss_unit(trainer: Any, model: Any, batch: Any, items: Any,
                by_tokens: Callable[[Any], Any], known: Optional[str] = None,
                calls: int = 0, probe: bool = True) -> str:
-    """What the loss ``trainer.compute_loss`` gives for ``model`` is a mean over:
-    ``"items"`` where it is divided by ``num_items_in_batch`` (``items``, passed by the
-    Trainer: half the loss with ``2 * items``), else ``"tokens"`` or ``"samples"``
-    (:func:`~memguard.integrations._core.averaged_over` on the first samples of
-    ``batch``). Computed on the unwrapped model in eval mode, without gradients, the random
-    number generators restored, and logged. Undecided (a loss of zero, a weighting of its
-    own, an FSDP-sharded model whose forward would gather on one rank only, a probe that
-    ran out of memory or raised),
-    the Trainer's assumption stands: ``"items"`` where it passes them, else tokens. With
-    ``calls`` (DDP: the most calls any rank's reading makes), ``compute_loss`` is called
-    that often in all, one sample's loss again after the reading (``probe=False``: only
-    those calls, for a rank whose reading is final)."""
+    """What ``trainer.compute_loss``'s loss is a mean over: ``"items"`` (divided by
+    ``num_items_in_batch``), ``"tokens"`` or ``"samples"``, read gradient-free on the unwrapped
+    model in eval mode (:func:`~memguard.integrations._core.averaged_over`). Undecided, the
+    Trainer's assumption stands. Under DDP ``compute_loss`` is called ``calls`` times in all
+    (``probe=False``: only those calls)."""
     from .._slices import plan_batch
     from ..backends.steps import torch_fsdp
 
@@ -402,9 +383,8 @@ def _read_unit(loss: Callable[..., float], trainer: Any, items: Any, plan: Any,
 
 def _divided_by_items(loss: Callable[..., float], items: Any, length: int
                       ) -> Optional[bool]:
-    """Whether ``loss(i, j, count)`` is divided by ``count``, from one sample's loss with
-    ``items`` and ``2 * items``: half when it is, the same when it ignores it; ``None``
-    where no sample of the first four says (zero, or a dependence of another kind)."""
+    """Whether ``loss(i, j, count)`` is divided by ``count`` (one sample's loss with ``items``
+    and ``2 * items``); ``None`` where the first four samples cannot tell."""
     for i in range(min(length, 4)):
         once, twice = loss(i, i + 1, items), loss(i, i + 1, items * 2)
         if not math.isfinite(once) or once == 0:
@@ -427,19 +407,14 @@ class _Span:
 
 
 class _Packed(list):
-    """A padding-free packed batch (``DataCollatorWithFlattening``: every sequence of the
-    batch in one row, ``position_ids`` restarting at each, ``cu_seq_lens_*`` with flash
-    attention's kwargs) seen as its sequences: one :class:`_Span` per sequence, cut as one
-    item per sample. A slice of consecutive sequences is one contiguous range of
-    the row: :meth:`rebuild` makes it a packed batch of its own, as the collator would have
-    made of those sequences (boundaries, ``max_length_*`` and ``seq_idx`` counted again)."""
+    """A padding-free packed batch (``DataCollatorWithFlattening``) seen as its sequences, one
+    :class:`_Span` each; :meth:`rebuild` packs a slice of them as the collator would have."""
 
     packed: Any
 
     @classmethod
     def of(cls, inputs: Any) -> "Optional[_Packed]":
-        """``inputs`` seen as its sequences, or ``None`` when it is not a packed row of
-        several sequences."""
+        """``inputs`` seen as its sequences, or ``None`` if not a packed row of several."""
         if not hasattr(inputs, "keys") or "input_ids" not in inputs:
             return None
         ids = inputs["input_ids"]
@@ -464,8 +439,7 @@ class _Packed(list):
 
     @staticmethod
     def rebuild(piece: Any) -> Any:
-        """The packed batch of ``piece`` (the whole batch, a slice of its sequences, or
-        anything else, returned as it is)."""
+        """The packed batch of ``piece`` (anything else returned as it is)."""
         if isinstance(piece, _Packed):
             return piece.packed
         if not (isinstance(piece, list) and piece and isinstance(piece[0], _Span)):
@@ -495,9 +469,7 @@ STATE_KEY = "MicrobatchState"
 
 class MicrobatchState(_TrainerCallback, _ExportableState):
     """The slice size :func:`auto_microbatch` learned, kept with every checkpoint in
-    ``trainer_state.json`` (as the Trainer's own batch-size finder keeps its size there), so
-    that ``train(resume_from_checkpoint=...)`` starts at that size instead of running out of
-    memory again. :func:`auto_microbatch` adds it to the trainer's callbacks.
+    ``trainer_state.json``, so that ``train(resume_from_checkpoint=...)`` starts at it.
 
     Attributes:
         microbatch_size: the slice size learned (``None`` until a batch was split).
@@ -540,16 +512,15 @@ def _refuse_unsupported(trainer: Any) -> None:
 
 
 def _default_weight(trainer: Any) -> Callable[[Any], Any]:
-    """What a loss averages over when the Trainer passes no ``num_items_in_batch``: the
-    labels that are not -100 (over ``labels[..., 1:]`` for a loss that shifts them, as the
-    Trainer counts), or the samples of a batch without labels."""
+    """What a loss averages over without ``num_items_in_batch``: labels not -100 (shifted for a
+    causal LM), or the samples of a batch without labels."""
     shifts = loss_shifts_labels(trainer) or _causal_loss(trainer)
     return token_weight(shifts)
 
 
 def _causal_loss(trainer: Any) -> bool:
-    """Whether the model's own loss is a causal LM's, which shifts the labels (the Trainer's
-    ``_loss_shifts_labels`` looks at ``config.loss_type`` only, unset on many configs)."""
+    """Whether the model's loss is a causal LM's (the Trainer's ``_loss_shifts_labels`` reads
+    only ``config.loss_type``, often unset)."""
     try:
         return causal_lm(trainer.accelerator.unwrap_model(trainer.model))
     except Exception:  # noqa: BLE001 - an unknown model: its labels are not shifted

@@ -19,47 +19,31 @@ except ImportError:
 
 
 class MemguardCallback(CallbackBase, _keras.callbacks.Callback):
-    """Memory of every training epoch and validation run, added to the epoch's ``logs`` (so
-    ``History.history`` and Keras's ``TensorBoard`` callback get it: list this callback before
-    ``TensorBoard``).
+    """Memory of every training epoch and validation run, added to the epoch's ``logs`` (list
+    it before ``TensorBoard`` so that it sees them).
 
-    Each training epoch and each evaluation is a :func:`memguard.memory_scope`; at its end
-    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB) are added to the
-    epoch's logs, and a validation run's as ``val_memory/<device>/...`` (a bare
-    ``evaluate()`` returns a copy of its logs that callbacks cannot reach: its figures are in
-    ``scopes``).
-    ``log_every_n_steps`` adds ``memory/<device>/step_allocated`` and ``step_reserved`` to
-    every N-th batch's logs (readings that cost microseconds). ``max_leak`` (bytes or
-    ``"256MiB"``): from the second epoch on (the first is the warm-up), an epoch that retains
-    more raises :class:`memguard.MemoryLeakError`, naming the biggest leaked tensors and their
-    holders with ``track_tensors=True``. ``cleanup`` is the scope's policy at each epoch's end
-    (``"auto"``, ``"always"`` or ``"never"``, as for ``memory_scope``).
-
-    Keras tells its callbacks nothing about an exception: pass ``on_retry=callback.on_retry``
-    to the ``oom_retry`` around ``fit``, and an out-of-memory is kept in ``failures`` with the
-    memory at the failure, the batch size and the last step (logged once: ``oom_retry``'s
-    WARNING line; the callback's, with the step, is DEBUG). Without it, the next ``fit``
-    closes what the failed one left open. On a CPU under a host memory budget, TensorFlow can
-    abort the process instead of raising (``std::bad_alloc``; seen with ``fit`` on numpy
-    arrays given ``validation_data``, with this callback and without it), which nothing in
-    the process can catch.
+    Each epoch and evaluation is a :func:`memguard.memory_scope`; at its end
+    ``memory/<device>/peak``, ``.../retained`` and ``.../allocated`` (MiB; ``val_memory/...``
+    for validation) join the logs. A bare ``evaluate()``'s figures are in ``scopes`` only.
+    Keras tells callbacks nothing about an exception: pass ``on_retry=callback.on_retry`` to
+    the ``oom_retry`` around ``fit`` to record failures in ``failures``.
 
     Args:
-        max_leak: from the second epoch on, the most an epoch may retain on a device, in bytes
-            or a size such as ``"256MiB"``; ``None`` judges nothing.
+        max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
+            retain on a device, in bytes or a size such as ``"256MiB"``; ``None`` (the
+            default) judges nothing.
         track_tensors: name the biggest leaked tensors and their holders in the error.
             Default ``False``.
-        cleanup: the epoch scope's policy at each epoch's end: ``"auto"``, ``"always"`` or
-            ``"never"``.
+        cleanup: the epoch scope's policy at each epoch's end: ``"auto"`` (the default),
+            ``"always"`` or ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
-            ``None`` for epochs only.
+            ``None`` (the default) for epochs only.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
             ``max_leak``.
-        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (a ``TypeError``
-            for one of the wrong type), named with its
-            value.
+        ValueError: a bad ``max_leak``, ``cleanup`` or ``log_every_n_steps`` (``TypeError``
+            for the wrong type).
 
     >>> from memguard.integrations.keras import MemguardCallback
     >>> MemguardCallback(log_every_n_steps=100).failures
