@@ -34,29 +34,16 @@ class MemoryMonitor:
     """Samples every watched device every ``interval`` seconds on a daemon thread.
 
     A context manager (or ``start()`` / ``stop()``). ``samples`` is a list of ``(time,
-    {device: DeviceMemory})`` with ``allocated`` and ``reserved`` (the cheap readings: a few
-    microseconds a device); ``peak`` maps each device to the highest level seen (the resident
-    set on the host, ``allocated`` on devices); ``mark(label)`` adds a labelled moment, and
-    scopes and ``oom_retry`` attempts inside a running monitor add their own. The thread
-    stops within one interval of ``stop()``, also when the body raised. A monitor started
-    again continues its timeline: times still count from the first start (the gap between
-    runs has no samples), and samples, marks and ``peak`` are kept. While a soft
-    ``RLIMIT_AS`` is in force (:func:`memguard.memory_limit` on the host), each sample also
-    holds the process's virtual size and that limit (:meth:`address_space`): the limit
-    counts address space, which the resident set does not show.
+    {device: DeviceMemory})`` with ``allocated`` and ``reserved``; ``peak`` maps each device
+    to the highest level seen; ``mark(label)`` adds a labelled moment (scopes and
+    ``oom_retry`` attempts inside add their own). A monitor started again continues its
+    timeline. Under a soft ``RLIMIT_AS`` the host's virtual size is sampled too
+    (:meth:`address_space`). A device that cannot be read gives ``None`` figures, counted in
+    ``failed_readings``.
 
-    A device that cannot be read gives ``None`` figures in its samples: the first failure is
-    logged as a warning, later ones are counted in ``failed_readings`` (device -> count) and
-    logged once, as a count, when the monitor stops.
-
-    Memory stays bounded on runs of any length: at ``max_samples`` samples (about 520 bytes
-    each with one device) adjacent samples merge in pairs, halving the resolution of the
-    whole timeline, and later readings fold into samples of that coarser step. A merged
-    sample keeps the larger ``allocated`` and ``reserved`` of the two (a spike is never
-    lost) and the later time (the last sample is always the latest reading). Marks are
-    bounded by ``max_marks`` (about 150 bytes each): past it, the first ``max_marks // 2``
-    and the latest stay, and ``marks_dropped`` counts those dropped between them. ``peak``
-    is kept in full.
+    Memory stays bounded: at ``max_samples`` adjacent samples merge in pairs (keeping the
+    larger figures, so no spike is lost); past ``max_marks`` the first half and the latest
+    marks stay, and ``marks_dropped`` counts the rest.
 
     Args:
         interval: seconds between samples. Default ``0.1``.
@@ -156,8 +143,7 @@ class MemoryMonitor:
                 due = now + self.interval
 
     def _read(self) -> Readings:
-        """A fast reading of each watched device; one that fails reads as unknown, is logged
-        the first time and counted after that."""
+        """A fast reading of each device; a failure reads as unknown, logged once, then counted."""
         out: Readings = {}
         for backend, device in self._pairs:
             try:
@@ -186,8 +172,8 @@ class MemoryMonitor:
                     self.peak[device] = level
 
     def _record(self, now: float, memory: dict[str, DeviceMemory], space: Space = None) -> None:
-        """Add a reading to the timeline (the caller holds the lock): folded into the last
-        sample until it holds ``_stride`` readings; at ``max_samples``, halve the resolution."""
+        """Add a reading (lock held): folded into the last sample until it holds ``_stride``
+        readings; at ``max_samples``, halve the resolution."""
         if self.samples and self._filled < self._stride:
             self.samples[-1] = (now, _merge(self.samples[-1][1], memory))
             self._space[-1] = _merge_space(self._space[-1], space)
@@ -208,19 +194,10 @@ class MemoryMonitor:
             self._record(now, memory, space)
 
     def mark(self, label: str) -> None:
-        """Add a labelled moment to the timeline (drawn as a vertical line by ``plot``).
-
-        At ``max_marks`` marks, the oldest of the latest ones is dropped (the first
-        ``max_marks // 2`` stay) and counted in ``marks_dropped``.
+        """Add a labelled moment to the timeline (a vertical line in ``plot``).
 
         Args:
             label: what happened (any object: kept as its ``str``).
-
-        >>> import memguard
-        >>> mon = memguard.MemoryMonitor()
-        >>> mon.mark("data loaded")
-        >>> mon.marks[-1][1]
-        'data loaded'
         """
         with self._lock:
             if len(self.marks) >= self.max_marks:
@@ -249,13 +226,11 @@ class MemoryMonitor:
             }
 
     def to_csv(self, path: str) -> None:
-        """One row per sample and device (``time,device,allocated,reserved,mark``), and one
-        row per mark.
+        """One row per sample and device (``time,device,allocated,reserved,mark``), one per mark.
 
         Args:
             path: the CSV file to write (replaced if it exists); ``time`` in seconds since the
-                start, ``allocated`` and ``reserved`` in bytes.
-        """
+                start, ``allocated`` and ``reserved`` in bytes."""
         with self._lock, open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["time", "device", "allocated", "reserved", "mark"])
@@ -281,13 +256,12 @@ class MemoryMonitor:
         return out
 
     def address_space(self) -> list[tuple[float, int, int, str]]:
-        """The host's address space at each sample taken while a soft ``RLIMIT_AS`` was in
-        force: ``(seconds since start, virtual size, limit, kind)`` in bytes, ``kind`` being
-        ``"memory_limit"`` where :func:`memguard.memory_limit` set the limit, else
-        ``"RLIMIT_AS"``. Empty when the host is not watched or no such limit was in force.
+        """The host's address space at each sample taken under a soft ``RLIMIT_AS``.
 
         Returns:
-            the samples, in time order.
+            ``(seconds since start, virtual size, limit, kind)`` tuples in time order, bytes;
+            ``kind`` is ``"memory_limit"`` (set by :func:`memguard.memory_limit`) or
+            ``"RLIMIT_AS"``. Empty when no such limit was in force.
 
         >>> import time, memguard
         >>> with memguard.MemoryMonitor(interval=0.01, devices="host") as mon:
@@ -308,12 +282,9 @@ class MemoryMonitor:
                ) -> matplotlib.figure.Figure:
         """The timeline as a matplotlib ``Figure`` (what :meth:`plot` writes).
 
-        One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB. While
-        a soft ``RLIMIT_AS`` was in force, a "host address space" panel draws the virtual
-        size against that limit, which is what the limit counts. Marks are vertical lines
-        (one collection, fast for any number of them); up to ``MAX_LISTED_MARKS`` of them,
-        spread over the run so that their numbers never overlap, are numbered in time order
-        and listed with their times beside the plot; the count of the rest is listed too.
+        One panel per device: ``allocated`` (solid) and ``reserved`` (dashed) in MiB, plus the
+        host's address space under a soft ``RLIMIT_AS``. Marks are vertical lines; up to
+        ``MAX_LISTED_MARKS`` are numbered and listed beside the plot.
 
         Args:
             title: the title (default "memguard memory timeline").
@@ -322,15 +293,7 @@ class MemoryMonitor:
             marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
 
         Returns:
-            a ``matplotlib.figure.Figure`` with its own Agg canvas (pyplot is not involved).
-
-        >>> import memguard
-        >>> with memguard.MemoryMonitor(interval=0.01) as mon:
-        ...     mon.mark("start")
-        >>> figure = mon.figure(title="a short run")  # doctest: +SKIP
-        >>> [text.get_text() for text in figure.axes[0].texts]  # doctest: +SKIP
-        ['1']
-        """
+            a ``matplotlib.figure.Figure`` with its own Agg canvas (pyplot is not involved)."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.collections import LineCollection
@@ -420,10 +383,8 @@ class MemoryMonitor:
     def plot(self, path: str, title: Optional[str] = None,
              lines: Optional[dict[str, list[tuple[int, str]]]] = None,
              marks: Optional[Iterable[tuple[float, str]]] = None) -> str:
-        """Write the timeline of :meth:`figure` as a PNG: allocated and reserved memory per
-        device over time, the virtual size against a soft ``RLIMIT_AS`` while one was in
-        force, marks as lines, a bounded number of them numbered and listed beside the plot.
-        Needs matplotlib (``pip install "memguard-ml[plot]"``).
+        """Write the timeline of :meth:`figure` as a PNG. Needs matplotlib
+        (``pip install "memguard-ml[plot]"``).
 
         Args:
             path: the PNG file to write (its folder must exist).
@@ -434,28 +395,20 @@ class MemoryMonitor:
 
         Returns:
             ``path``.
-
-        >>> import memguard
-        >>> with memguard.MemoryMonitor(interval=0.01) as mon:
-        ...     mon.mark("start")
-        >>> mon.plot("timeline.png")  # doctest: +SKIP
-        'timeline.png'
         """
         self.figure(title, lines, marks).savefig(path, dpi=100)
         return path
 
     def to_tensorboard(self, writer: Any, prefix: str = "memory") -> int:
-        """Write the series as scalars (``memory/<device>/allocated`` in MiB, step = sample
-        index) to a ``torch.utils.tensorboard.SummaryWriter`` or a TensorFlow summary writer.
+        """Write the series as scalars (``memory/<device>/allocated`` in MiB, step = sample index).
 
         Args:
-            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with
-                ``add_scalar``) or a TensorFlow summary writer (``tf.summary.create_file_writer``).
+            writer: a ``torch.utils.tensorboard.SummaryWriter`` (anything with ``add_scalar``)
+                or a TensorFlow summary writer (``tf.summary.create_file_writer``).
             prefix: the first part of every tag. Default ``"memory"``.
 
         Returns:
-            The number of scalars written.
-        """
+            The number of scalars written."""
         rows = [(f"{prefix}/{device}/{field}", index, t, value / 2**20)
                 for index, (t, mem) in enumerate(list(self.samples))
                 for device, m in mem.items()
@@ -508,9 +461,8 @@ def _draw_address_space(ax: Any, space: list[tuple[float, int, int, str]]) -> No
 
 
 def _spread(xs: list[float], low: float, high: float, width_px: float) -> dict[int, int]:
-    """Which of the sorted ``xs`` get a number, and in which row: ``{index: row}``, at most
-    ``MAX_LISTED_MARKS``, no two closer than a number's width in one row, and spread over the
-    whole span when there are more marks than numbers."""
+    """Which of the sorted ``xs`` get a number, and in which row (``{index: row}``): at most
+    ``MAX_LISTED_MARKS``, none overlapping, spread over the whole span."""
     span = max(high - low, 1e-9)
     gap = span * _LABEL_PX / max(width_px, 1.0)  # within a row
     step = 0.0  # between any two numbers

@@ -13,18 +13,12 @@ from .._units import format_bytes
 class DeviceMemory:
     """Memory of one device at one moment, in bytes; ``None`` where the backend cannot tell.
 
-    - ``allocated``: bytes handed out to live objects (tensors, or malloc'd blocks on the host);
-    - ``reserved``: bytes the allocator holds from the system (the CUDA caching allocator's
-      segments; the process's resident set on the host);
-    - ``peak``: the highest ``allocated`` since the device's peak counter was last reset
-      (highest resident set on the host);
-    - ``free`` / ``total``: the device's free and total memory, across all processes.
-
     Attributes:
         device: the device's name (``"host"``, ``"cuda:0"``, ``"GPU:0"``).
-        allocated: bytes handed out to live objects.
-        reserved: bytes the allocator holds from the system.
-        peak: the high-water mark since the last reset.
+        allocated: bytes handed out to live objects (tensors; malloc'd blocks on the host).
+        reserved: bytes the allocator holds from the system (the CUDA caching allocator's
+            segments; the resident set on the host).
+        peak: the highest ``allocated`` since the last reset (resident set on the host).
         free: the device's free memory, across processes.
         total: the device's total memory.
 
@@ -55,13 +49,12 @@ class DeviceMemory:
 
 
 class Reading(NamedTuple):
-    """A cheap reading of one device (:meth:`Backend.read_fast`), in bytes; ``None`` where the
-    backend cannot tell.
+    """A cheap reading of one device (:meth:`Backend.read_fast`), in bytes.
 
     Args:
-        allocated: the bytes the allocator has handed out to live objects, or ``None``.
+        allocated: the bytes handed out to live objects, or ``None`` (unknown).
         reserved: the bytes the allocator holds from the system (the resident set on the
-            host), or ``None``.
+            host), or ``None`` (unknown).
 
     >>> Reading(100, 4096).reserved
     4096
@@ -97,8 +90,7 @@ def _pick(choose: Callable[[int, int], int], x: Optional[int], y: Optional[int])
 
 
 class TensorRow(NamedTuple):
-    """One live tensor as a framework's census sees it: what :class:`memguard.TensorInfo`
-    reads, and a weak reference to the tensor (``None`` where it takes none)."""
+    """One live tensor as a framework's census sees it, with a weak reference (or ``None``)."""
 
     framework: str
     device: str
@@ -120,14 +112,11 @@ LevelField = Literal["allocated", "reserved"]
 class Backend(abc.ABC):
     """One source of memory figures (a framework, or the host process).
 
-    Subclasses implement the abstract methods (:meth:`devices`, :meth:`owns`, :meth:`read`,
-    :meth:`reset_peak`, :meth:`empty_cache`); :meth:`read_fast` and :meth:`read_peak` derive
-    from :meth:`read` unless a backend has a cheaper way. None may initialise a device just to
-    look at it. ``hold_tolerance`` is the growth in ``allocated`` that counts as "still held"
-    for the automatic cleanup policy, ``reserve_tolerance`` the growth of unused cache that is
-    worth emptying without a garbage collection. Leak verdicts (``retained``, ``max_leak``)
-    are always on :meth:`in_use`.
-    """
+    Subclasses implement :meth:`devices`, :meth:`owns`, :meth:`read`, :meth:`reset_peak` and
+    :meth:`empty_cache`; the other reads derive from :meth:`read` unless a backend has a
+    cheaper way. None may initialise a device just to look at it. ``hold_tolerance``: the
+    growth in ``allocated`` that counts as still held for the automatic cleanup;
+    ``reserve_tolerance``: the growth of unused cache worth emptying without a collection."""
 
     name: str = "?"
     hold_tolerance: int = 1 << 20
@@ -138,9 +127,8 @@ class Backend(abc.ABC):
 
     @staticmethod
     def in_use(reading: Reading) -> Optional[int]:
-        """The bytes a reading says the allocator has handed out, which leak verdicts are
-        taken on: ``allocated`` (glibc's ``mallinfo2`` on the host, the caching allocator's
-        ``allocated`` on a GPU), ``reserved`` where the backend cannot tell ``allocated``.
+        """The bytes handed out, on which leak verdicts are taken: ``allocated`` (``mallinfo2`` on
+        the host), else ``reserved``.
 
         Args:
             reading: a reading of one device (:meth:`read_fast`), in bytes.
@@ -151,8 +139,7 @@ class Backend(abc.ABC):
         return reading.reserved if reading.allocated is None else reading.allocated
 
     def level(self, memory: Reading | DeviceMemory) -> Optional[int]:
-        """The figure of ``memory`` (a reading or a :class:`DeviceMemory`) that this backend's
-        peak counter follows and budgets count (see ``level_field``).
+        """The figure of ``memory`` the peak counter follows and budgets count (``level_field``).
 
         >>> from memguard.backends import host
         >>> host.level(Reading(100, 4096))
@@ -190,37 +177,25 @@ class Backend(abc.ABC):
         return Reading(mem.allocated, mem.reserved)
 
     def read_in_use(self, device: str) -> Optional[int]:
-        """What :meth:`in_use` takes from a reading, read alone where that is cheaper than
-        :meth:`read_fast` (on the host: ``mallinfo2`` without the resident set)."""
+        """What :meth:`in_use` takes, read alone where that is cheaper than :meth:`read_fast`."""
         return self.in_use(self.read_fast(device))
 
     def quick_kind(self, device: Optional[str] = None) -> str:
-        """The kind :meth:`read_quick` reads now when not asked for one: ``"in use"`` here;
-        the host's changes while its heap is slow to read."""
+        """The kind :meth:`read_quick` reads when not asked for one (``"in use"`` here)."""
         return "in use"
 
     def read_quick(self, device: str, kind: Optional[str] = None) -> tuple[str, Optional[int]]:
-        """A level to compare with another of the same kind, for a decision taken on every
-        call (``inference_mode``'s cleanup): ``(kind, bytes)``, where two readings of
-        different kinds are not comparable; ``kind`` asks for a reading of that kind (the
-        one a first reading had). By default :meth:`read_in_use`."""
+        """``(kind, bytes)``: a cheap level to compare with another of the same ``kind``, for a
+        decision taken on every call. By default :meth:`read_in_use`."""
         return "in use", self.read_in_use(device)
 
     def read_fast_as(self, kind: str, device: str) -> Reading:
-        """:meth:`read_fast`, or the cheaper reading ``kind`` names where this backend has one
-        (the host's ``"resident"``: the resident set for both fields)."""
+        """:meth:`read_fast`, or the cheaper reading ``kind`` names (the host's ``"resident"``)."""
         return self.read_fast(device)
 
     def read_with(self, device: str, reading: Reading, peak: Optional[int]) -> DeviceMemory:
-        """:meth:`read`, where ``reading`` (:meth:`read_fast`) and ``peak`` (:meth:`read_peak`)
-        were just taken and nothing ran since: a backend that can use them reads only the
-        rest (the host: its physical memory); by default everything is read again.
-
-        Args:
-            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
-            reading: the device's ``(allocated, reserved)`` just read.
-            peak: the device's peak counter just read (``None``: not read).
-        """
+        """:meth:`read`, reusing ``reading`` and ``peak`` just taken where the backend can (the host
+        reads only the rest); by default everything is read again."""
         return self.read(device)
 
     def read_peak(self, device: str) -> Optional[int]:
@@ -240,12 +215,7 @@ class Backend(abc.ABC):
         """
 
     def peak_after_reset(self, device: str) -> Optional[int]:
-        """The peak counter just after :meth:`reset_peak`: :meth:`read_peak` unless the
-        backend knows it without reading the counter again.
-
-        Args:
-            device: a device name this backend answers for (``"host"``, ``"cuda:0"``...).
-        """
+        """The peak counter just after :meth:`reset_peak` (:meth:`read_peak` by default)."""
         return self.read_peak(device)
 
     @abc.abstractmethod
@@ -254,8 +224,8 @@ class Backend(abc.ABC):
 
 
 def subclasses(*roots: type, excluding: frozenset[str] = frozenset()) -> set[type]:
-    """The ``roots`` and every class derived from them that exists now, less the classes
-    named (``module.QualName``) in ``excluding``; those classes' subclasses stay."""
+    """The ``roots`` and every class derived from them now, less those named in ``excluding``
+    (``module.QualName``; their subclasses stay)."""
     seen: set[type] = set()
     stack = list(roots)
     while stack:
@@ -270,8 +240,7 @@ _KERAS_MODULES = ("keras", "tf_keras", "tensorflow")
 
 
 def is_keras_model(obj: Any) -> bool:
-    """Whether ``obj`` is a Keras model or layer (Keras 3, ``tf_keras`` or ``tf.keras``), told
-    by the names of its classes alone: no framework is imported to look.
+    """Whether ``obj`` is a Keras model or layer, told by its classes' names (nothing imported).
 
     >>> is_keras_model(object())
     False
