@@ -28,12 +28,11 @@ _FOUND: dict[str, int] = {}
 
 
 class BatchSize(int):
-    """The size :func:`find_batch_size` found: an ``int``, with ``history``, the
-    :class:`Attempt` record of every trial.
+    """The size :func:`find_batch_size` found: an ``int``, with ``history``.
 
     Args:
         value: the size found, in samples.
-        history: the trials' records, kept as ``history``.
+        history: the trials' records.
 
     Attributes:
         history: the :class:`Attempt` record of every trial, in order.
@@ -55,10 +54,9 @@ class BatchSize(int):
 
 
 class _Search(Loop):
-    """A search for the largest size that fits: trials at growing sizes, each out-of-memory
-    tried once more before it counts, the next size chosen after the ranks agree (so every
-    rank tries the same sizes). ``good`` is the largest size seen to fit, ``bad`` the
-    smallest seen to fail twice."""
+    """A search for the largest size that fits: each out-of-memory tried once more before it
+    counts, the next size chosen after the ranks agree. ``good``: the largest size that fitted;
+    ``bad``: the smallest that failed twice."""
 
     retry_level = logging.INFO  # a search meets out-of-memory by design
 
@@ -146,8 +144,7 @@ class _Power(_Search):
 
 
 class _Binsearch(_Search):
-    """``mode="binsearch"``: doubling, then bisecting between the last size that fitted and
-    the first that failed until they are adjacent."""
+    """``mode="binsearch"``: doubling, then bisecting between ``good`` and ``bad``."""
 
 
 _SIGNIFICANT = 0.1  # a fit rests on measured memory of at least this share of the budget
@@ -158,8 +155,8 @@ _NOISE = 1 << 20  # how far one trial's measured peak may be off
 
 
 class _Predict(_Search):
-    """``mode="predict"``: each trial's peak memory measured and fitted as memory = fixed +
-    per-sample x size; the next size is the largest the fit says the budget holds."""
+    """``mode="predict"``: peaks fitted as fixed + per-sample x size; next, the largest size the
+    fit says the budget holds."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -205,67 +202,40 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
                     restore: Any = None) -> BatchSize:
     """Probe ``step(batch_size)`` for the largest batch size that fits in memory.
 
-    Each search is one mode:
+    Modes: ``"power"`` doubles from ``start`` until the first out-of-memory (or
+    ``max_batch_size``); ``"binsearch"`` then bisects until the last size that fitted and the
+    first that failed are adjacent; ``"predict"`` measures each trial's peak on every device
+    with a budget, fits memory = fixed + per-sample x size, and jumps to the largest size the
+    fit says the budget holds, refining until the gap is under 3% (far fewer trials than
+    bisection; see the recovery internals guide).
 
-    - ``"power"`` doubles from ``start`` until the first out-of-memory (or
-      ``max_batch_size``);
-    - ``"binsearch"`` then bisects between the last size that fitted and the first that
-      failed until they are adjacent;
-    - ``"predict"`` measures instead of guessing: each trial's peak memory on every device
-      with a budget (CUDA's ``max_memory_allocated`` after a reset, the host's high-water
-      mark), fitted as memory = fixed + per-sample x size; while the measured memory spans
-      under a tenth of what the budget that binds can give, the size grows (at most 16-fold
-      per trial, as far as the per-sample part leaves room, the fixed part set apart once two
-      sizes are measured: a step whose weights and gradients take most of the budget still
-      grows fast); then
-      it jumps to the largest size the fit says the budget holds, less 5%, verifies it with a
-      trial and refits. The budget it plans against is what the device could give before the
-      first trial: what a trial's allocator keeps after it (heap still mapped, a cache still
-      reserved) is counted as used, yet the next trial reuses it. Once the next prediction
-      gains under 3%, it tries the fit's own edge (no margin) before it answers. After an
-      out-of-memory it tries 95% of the size that failed, 90% of the next that fails and so
-      on (or the midpoint, if higher), and stops when the gap between the largest size that
-      fitted and the smallest that failed is under 3%. From ``start=1``: 4 trials on a
-      synthetic step, 5 to 11 on Lightning fits of a tiny GPT-2, where bisection takes 20
-      to 23.
-
-    A size that runs out of memory is tried once more before it counts as too big (an
-    allocator that fails now and then, another process's spike). Memory is freed between
-    trials as in :func:`oom_retry`. A boundary found once is not a size that holds in a
-    fresh run (fragmentation, a peak that moves): the answer is the largest size that fitted
-    less ``margin`` (5% by default, as Lightning's finder leaves). Measured on Lightning fits
-    of a tiny GPT-2 under a 1 GiB host budget: the boundary moved by 6% between runs
-    (167 and 177) and held in 1 of 2 fresh runs, while every size returned with the 5%
-    margin held in 2 of 2. The margin covers that noise, not a trial that does less than
-    the run: the trial must reach the run's peak (``steps_per_trial``, or a step that
-    includes the optimizer's state); one-step trials there found 201 where a three-step fit
-    failed at 170.
+    A size that runs out of memory is tried once more before it counts as too big; memory is
+    freed between trials as in :func:`oom_retry`. The answer is the largest size that fitted
+    less ``margin``, since a boundary found once moves between runs. Each trial must reach the
+    run's peak (``steps_per_trial``, or a step that includes the optimizer's state).
 
     Args:
         step: called with a batch size; runs what must fit (a training step, a forward).
-        start: the first size tried, and the smallest: the search grows from it (where
-            the other entry points' ``batch_size`` is where they shrink from). Default ``1``.
+        start: the first size tried, and the smallest: the search grows from it.
+            Default ``1``.
         max_batch_size: the largest size tried (``None``: no limit).
-        mode: ``"binsearch"``, ``"power"`` or ``"predict"`` (above).
+        mode: ``"binsearch"`` (the default), ``"power"`` or ``"predict"``.
         steps_per_trial: calls of ``step`` per trial (memory often peaks in the second
             step, once optimizer state exists). Default ``1``.
         margin: the fraction taken off the largest size that fitted. Default ``0.05``.
-        max_attempts: the most trials; the search then stops at the largest size that fitted,
-            with a warning. Default ``25``, not ``None`` as elsewhere: a search grows, and
-            one whose step never runs out of memory would grow for ever.
+        max_attempts: the most trials; the search then stops at the largest size that
+            fitted, with a warning. Default ``25`` (a step that never runs out of memory
+            would grow for ever).
         on_retry: called with each failed trial's :class:`Attempt` after its cleanup.
             Default ``None``: nothing is called.
-        sync: in a distributed job every rank tries the same sizes (a size that fails on any
-            rank fails on all) and all return the same size. Default ``"auto"``.
+        sync: in a distributed job every rank tries the same sizes and all return the same
+            size. Default ``"auto"``.
         cache: ``True``: a later search with the same step and parameters in this process
             returns the size found without a trial; a file path: the same across processes
-            and restarts (as ``oom_retry(cache=path)`` keeps its sizes); ``False``: search
-            every time. Default ``False``, unlike ``oom_retry``: a kept size is returned
-            without a trial, so one outdated by a change the key cannot see (a larger model,
-            longer inputs) would never be checked.
+            and restarts; ``False``: search every time. Default ``False`` (a kept size is
+            never checked against changes the key cannot see, such as longer inputs).
         restore: objects with ``state_dict``/``load_state_dict`` (model, optimizer...) put
-            back to their state at the start before each trial and after the search, as
-            Lightning's finder does: trials that train change the weights.
+            back to their starting state before each trial and after the search.
             Default ``None``: nothing is restored.
 
     Returns:
@@ -335,9 +305,8 @@ def find_batch_size(step: Callable[[int], Any], *, start: int = 1,
 
 
 def _every_rank_has(stored: bool, policy: Policy) -> bool:
-    """Whether every rank has a stored size (``stored`` on this one): if one has none, all
-    search, since a rank that went on alone would leave its peers' trials waiting on it
-    (size files on each node's own disk, a rank whose key differs)."""
+    """Whether every rank has a stored size: if one has none, all search (a rank going on alone
+    would leave its peers' trials waiting)."""
     from .distributed import Agreement
 
     return Agreement(policy.sync).all_max([0 if stored else 1]) == [0]
@@ -351,9 +320,8 @@ def _finish(good: int, margin: float, policy: Policy) -> int:
 
 
 class _Probe:
-    """Peak memory of one trial on each device that has a budget, above its level when the
-    trial began: CUDA's ``max_memory_allocated`` after a reset, the host's high-water mark of
-    the resident set (through the scopes' peak book, so open scopes keep their peaks)."""
+    """Peak memory of one trial above its start on each device with a budget (CUDA's
+    ``max_memory_allocated``, the host's resident high-water mark through the scopes' peak book)."""
 
     def __init__(self) -> None:
         watched = set(watched_devices())
@@ -368,8 +336,7 @@ class _Probe:
         return found
 
     def run(self, body: Callable[[], Any]) -> dict[str, int]:
-        """Run ``body()`` (its exceptions propagate); the peak memory it took on each
-        device."""
+        """Run ``body()``; the peak memory it took on each device."""
         levels = {d: b.level(b.read_fast(d)) for b, d in self.pairs}
         token = object()
         peak_book.enter(id(token), self.pairs)
@@ -386,17 +353,10 @@ class _Probe:
 
 
 def _growth(fit: MemoryFit, room: int, good: int) -> int:
-    """How far a size may grow while the fit is not reliable yet (its measured memory spans
-    under :data:`_SIGNIFICANT` of the room).
-
-    With one size measured, all of its memory is taken as per sample: the size whose memory
-    would be a quarter of the room, or double if even then the room holds it (memory that
-    grows with the size no faster than in proportion). With two sizes or more the fixed
-    part (weights, gradients, optimizer state: what a trial takes whatever its size) is
-    set apart, and the size grows until the per-sample part, at the most the readings allow
-    (:meth:`~memguard.sizes.MemoryFit.cautious`), would take half of what the fixed part
-    leaves: a step whose fixed part is most of the budget still grows fast.
-    """
+    """How far a size may grow while the fit is unreliable (its memory spans under
+    :data:`_SIGNIFICANT` of the room): with one size, until a quarter of the room (all memory
+    taken as per sample); with more, the fixed part set apart, until the cautious per-sample
+    part would take half of what remains."""
     top = max(s for s, _ in fit.points)
     measured = max(max(m for s, m in fit.points if s == top), _NOISE)
     size = max(good * 0.25 * room / measured,
@@ -410,15 +370,10 @@ def _growth(fit: MemoryFit, room: int, good: int) -> int:
 
 def _predicted(fits: dict[str, MemoryFit], available: dict[str, int], good: int,
                bad: Optional[int], failures: int) -> int:
-    """The next size ``mode="predict"`` tries (``<= good`` to stop).
-
-    The fit's prediction (less :data:`AUTO_MARGIN`) while it gains; once it gains under
-    ``_GAIN``, the fit's own edge (no margin) if no size has failed yet, so that the answer
-    rests on a trial near the boundary rather than on the fit alone. After a size failed,
-    95% of it; after more, a step further down each time (or the midpoint, if larger); the
-    search stops when the gap between the largest size that fitted and the smallest that
-    failed is under ``_GAIN`` of the former.
-    """
+    """The next size ``mode="predict"`` tries (``<= good`` to stop): the fit's prediction less
+    :data:`AUTO_MARGIN` while it gains ``_GAIN``, then the fit's own edge; after failures, 95%
+    of the failed size and further down each time (or the midpoint), until the gap is under
+    ``_GAIN``."""
     if bad is not None:
         if bad - good <= max(1, math.floor(good * _GAIN)):
             return good

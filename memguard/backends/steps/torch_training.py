@@ -1,13 +1,9 @@
 """What ``auto_microbatch`` needs from torch: a model's gradients set aside and merged back,
-a weighted backward, and, under ``DistributedDataParallel``, gradients kept local while slices
-run and averaged once afterwards.
+a weighted backward, and under DDP gradients kept local while slices run, averaged once.
 
-Gradients on entry are *moved* aside (``p.grad = None``), not copied: a pass then writes fresh
-gradients, which are dropped whole when the pass fails and added to the entry gradients when
-the step succeeds (one addition per parameter). Where the parameters hold gradients on entry
-(accumulation across steps, or zeros left by ``zero_grad(set_to_none=False)``), both sets are
-alive during the step: one gradient buffer more at the peak than plain accumulation.
-"""
+Entry gradients are *moved* aside (``p.grad = None``), not copied: a failed pass's fresh
+gradients are dropped whole, a good one's added to the entry ones (one buffer more at the
+peak than plain accumulation where entry gradients exist)."""
 
 from __future__ import annotations
 
@@ -52,9 +48,8 @@ Slot = tuple[Any, str]
 
 
 def trained(model: Any) -> tuple[list[Any], list[Slot]]:
-    """In one walk over ``model``'s modules: the parameters that take gradients (each once,
-    in the same order on every rank) and where the persistent buffers are (those the
-    ``state_dict`` holds: BatchNorm's running statistics and batch count)."""
+    """In one walk over ``model``: the parameters that take gradients (same order on every rank)
+    and where its persistent buffers are."""
     params: list[Any] = []
     slots: list[Slot] = []
     seen: set[int] = set()
@@ -85,18 +80,12 @@ def _changed(*_: Any) -> None:
 
 
 class Walked:
-    """:func:`trained` for one model, kept between steps: walked again when any module
-    registers a parameter, buffer or submodule through torch's API (assignment included:
-    torch's global registration hooks count them) and at least every :data:`REWALK`
-    seconds. ``known`` holds the parameters' ids, ``hooked`` their post-accumulate-grad
-    hooks (:func:`fused_steps`, read at each walk).
+    """:func:`trained` for one model, kept between steps: walked again when torch's global
+    registration hooks see a change, and at least every :data:`REWALK` seconds. ``known``:
+    the parameters' ids; ``hooked``: their post-accumulate-grad hooks.
 
-    What a kept walk can miss is taken care of where it matters: buffers are read from their
-    modules at each step (:class:`Buffers`), a parameter missing from ``params`` is a leaf
-    the loss's graph walk finds (:func:`outside`, and :meth:`refresh` tells it from a tensor
-    outside the model), and one no longer in the model only has its (absent) gradient moved
-    aside and back.
-    """
+    What a kept walk misses is caught elsewhere: buffers are read at each step
+    (:class:`Buffers`), a new parameter is found by the graph walk (:func:`outside`)."""
 
     __slots__ = ("model", "generation", "until", "params", "slots", "known", "hooked",
                  "movers")
@@ -113,8 +102,7 @@ class Walked:
         self.movers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
     def get(self, now: float) -> "Walked":
-        """Itself, walked again if a change was seen or :data:`REWALK` seconds passed
-        since ``now`` (``time.perf_counter()``) last walked it."""
+        """Itself, walked again after a change or :data:`REWALK` seconds since ``now``."""
         if self.generation != _GENERATION[0] or now >= self.until:
             self.refresh(now)
         return self
@@ -199,9 +187,8 @@ def check_loss(loss: Any, who: str) -> None:
 
 
 def outside(loss: Any, known: "set[int] | frozenset[int]") -> list[Any]:
-    """The leaf tensors that backward of ``loss`` writes gradients into and whose ``id`` is
-    not in ``known`` (a head kept out of the model, an input that requires grad), each
-    once. One walk of the graph: well under a microsecond per node."""
+    """The leaf tensors backward of ``loss`` writes into whose ``id`` is not in ``known`` (a head
+    kept out of the model, an input that requires grad), each once."""
     root = loss.grad_fn
     if root is None:  # the loss is itself a leaf: backward writes into it
         return [] if id(loss) in known else [loss]
@@ -245,22 +232,13 @@ def describe(tensor: Any) -> str:
 
 
 class Buffers:
-    """What a failed pass must put back of a model's persistent buffers (where
-    :func:`trained`'s ``slots`` say they are, read there now), and only that.
+    """What a failed pass must put back of a model's persistent buffers, and only that.
 
-    A pass moves few buffers: the running statistics of a normalisation layer in training
-    mode (BatchNorm and the like), and those a model's own forward writes. Copied, as one flat
-    tensor per device and dtype: those statistics, every buffer of at most
-    :data:`SMALL_BUFFER` bytes (a counter, spectral norm's vectors: copying them costs
-    nothing), and the larger buffers seen to move in an earlier step (``movers``, learned
-    from their version counters). A larger buffer not known to move (a constant table, a
-    mask) is not copied but watched: its version counter read on entry. A failed pass that
-    moved a watched buffer is told in a warning (its move stays; the buffer is copied from
-    then on). A buffer not yet
-    initialised (a lazy module's) is reset to its initial state when the failed pass
-    initialised it. An out-of-memory while copying is memguard's own, not the batch's: the
-    buffers are then watched instead, with a warning.
-    """
+    Copied (one flat tensor per device and dtype): normalisation statistics, buffers of at
+    most :data:`SMALL_BUFFER` bytes, and larger ones seen to move before (``movers``). Other
+    large buffers are watched by version counter; a failed pass that moved one is warned
+    about and it is copied from then on. Lazy buffers a failed pass initialised are reset. An
+    out-of-memory while copying falls back to watching, with a warning."""
 
     def __init__(self, slots: list[Slot],
                  movers: "Optional[weakref.WeakValueDictionary[int, Any]]" = None,
@@ -338,8 +316,7 @@ class Buffers:
         return moved
 
     def learn(self) -> None:
-        """After a pass that succeeded: the watched buffers it moved are copied from the
-        next step on."""
+        """After a good pass: the watched buffers it moved are copied from the next step on."""
         if self.movers is None or not self.watched:
             return
         for _, _, current in self._moved():
@@ -347,9 +324,8 @@ class Buffers:
                 self.movers[id(current)] = current
 
     def load(self) -> None:
-        """Put every copied buffer back as it was on entry (in place; a buffer the model
-        replaced by another tensor gets its entry values back as a tensor of its own), reset
-        the lazy buffers the pass initialised, and warn of watched buffers that moved."""
+        """Put the copied buffers back in place, reset lazy ones the pass initialised, warn of
+        watched buffers that moved."""
         import torch
         from torch.nn.parameter import is_lazy
 
@@ -383,8 +359,7 @@ class Buffers:
 
 
 def _version(tensor: Any) -> int:
-    """``tensor``'s version counter (bumped by every in-place write); -1 for an inference
-    tensor, which has none (and cannot be written in place outside inference mode)."""
+    """``tensor``'s version counter; -1 for an inference tensor (which has none)."""
     try:
         return int(version_of(tensor))
     except RuntimeError:
@@ -397,9 +372,8 @@ each (``None`` for a parameter without one); ``None`` when no parameter holds on
 
 
 def hold(params: list[Any]) -> Held:
-    """What each parameter's gradient is on entry, left in place, to tell after the step
-    function's first call what that call did to it (:func:`settle`). Weak references, so that
-    a ``zero_grad()`` in the call frees the gradients as it would in plain torch."""
+    """The entry gradients, left in place and weakly referenced (a ``zero_grad()`` frees them as
+    in plain torch), for :func:`settle` to tell what the first call did."""
     now = list(map(grads, params))
     if now.count(None) == len(now):
         return None
@@ -408,16 +382,10 @@ def hold(params: list[Any]) -> Held:
 
 
 def settle(params: list[Any], held: Held) -> tuple[list[Any], int, int]:
-    """After the step function's first call, before memguard's first backward: the gradients
-    as the call left them become the entry gradients, moved aside (the parameters are left
-    with none), exactly what plain torch's backward would accumulate into: one set to
-    ``None`` (``zero_grad()``) is gone, one zeroed in place (``zero_grad(set_to_none=False)``)
-    is zeros.
-
-    Returns the entry gradients and two counts of parameters: gradients that appeared or were
-    replaced by another tensor (a ``backward()`` of the call's own, an assignment: their entry
-    is put back as it was where it still exists), and gradients changed in place to anything
-    but zeros (a ``backward()`` of its own, clipping)."""
+    """After the step function's first call: the gradients as it left them become the entry
+    gradients, moved aside (``None`` after ``zero_grad()``, zeros after
+    ``zero_grad(set_to_none=False)``). Returns them and two counts: gradients that appeared or
+    were replaced (their entry put back), and gradients changed in place to other than zeros."""
     now = list(map(grads, params))
     if now.count(None) == len(now):  # none on entry and none now, or all cleared
         return now, 0, 0
@@ -456,11 +424,7 @@ def present(params: list[Any]) -> int:
 
 
 def fused_steps(params: list[Any], ddp: Any = None) -> list[tuple[int, Any]]:
-    """The hooks registered with ``register_post_accumulate_grad_hook`` on ``params`` (an
-    optimizer step fused into backward, or any other work on each finished gradient), as
-    ``(index in params, hook)``; ``DistributedDataParallel``'s own (compiled autograd's
-    reduction, idle while memguard holds the reduction back) are left out. One attribute
-    read per parameter."""
+    """The post-accumulate-grad hooks on ``params`` as ``(index, hook)``, DDP's own left out."""
     found: list[tuple[int, Any]] = []
     for i, p in enumerate(params):
         hooks = post_accumulate_grad_hooks(p)
@@ -505,8 +469,7 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def refuse_steps() -> None:
-    """Make :data:`REFUSED` work: one global optimizer pre-step hook, registered on the first
-    call, checks it; nothing else is added to any optimizer's step."""
+    """Make :data:`REFUSED` work: one global optimizer pre-step hook, registered once."""
     global _hooked
     if not _hooked:
         with _HOOK_LOCK:
@@ -518,8 +481,8 @@ def refuse_steps() -> None:
 
 
 def backward(loss: Any, weight: float, scaler: Any, total: Any) -> Any:
-    """``(loss * weight).backward()`` (through ``scaler`` when given); returns ``total`` plus
-    the weighted loss, detached. ``loss`` has passed :func:`check_loss`."""
+    """``(loss * weight).backward()`` (through ``scaler`` if given); ``total`` plus the weighted
+    loss, detached."""
     if weight != 1.0:
         loss = loss * weight
     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -533,9 +496,8 @@ REPLICA_SAMPLES = 64  # parameters sampled, two values each (first and last elem
 
 
 def replica_values(ddp: Any) -> tuple[list[str], list[float]]:
-    """A sample of a DDP model's weights, identical on every rank while the ranks stay
-    together: the first and last value of up to :data:`REPLICA_SAMPLES` parameters spread
-    over the model, with their names (one device-to-host copy)."""
+    """A sample of a DDP model's weights (first and last value of up to
+    :data:`REPLICA_SAMPLES` parameters, with names), equal on every rank while they agree."""
     import torch
 
     named = [(name, p) for name, p in ddp.module.named_parameters() if p.numel()]
@@ -565,9 +527,7 @@ def ddp_of(model: Any) -> Optional[Any]:
 
 
 def comm_hooks(ddp: Any) -> list[str]:
-    """The names of the communication hooks registered on a ``DistributedDataParallel``
-    model with ``register_comm_hook`` (fp16 compression, PowerSGD...); empty for none or for
-    ``None``."""
+    """The names of the communication hooks on a DDP model (empty for none or ``None``)."""
     hooks = getattr(ddp, compat.DDP_COMM_HOOKS, None) or []
     names = [getattr(hook, "__qualname__", None) or repr(hook) for hook, _ in hooks]
     if names or ddp is None:
@@ -580,8 +540,7 @@ def comm_hooks(ddp: Any) -> list[str]:
 
 
 def static_graph(ddp: Any) -> bool:
-    """Whether a ``DistributedDataParallel`` model was built with ``static_graph=True`` (or
-    ``_set_static_graph()``)."""
+    """Whether a DDP model was built with ``static_graph=True``."""
     return bool(getattr(ddp, "static_graph", False))
 
 
@@ -593,14 +552,11 @@ def group_size(ddp: Any) -> int:
 
 
 def local_gradients(ddp: Optional[Any]) -> ContextManager[bool]:
-    """Run the block with ``ddp`` neither reducing gradients in backward nor broadcasting
-    buffers in forward (collectives that a peer's out-of-memory would leave unmatched).
+    """Run the block with ``ddp`` neither reducing gradients nor broadcasting buffers (collectives
+    a peer's out-of-memory would leave unmatched); buffers are broadcast from the first rank on
+    entry instead.
 
-    Yields whether DDP would have synchronised this step (``False`` inside the user's own
-    ``no_sync()``, or without DDP). Buffers are broadcast from the group's first rank on
-    entry, where DDP's first forward of the step would have: every rank is at the same
-    point there.
-    """
+    Yields whether DDP would have synchronised this step (``False`` inside ``no_sync()``)."""
     return contextlib.nullcontext(False) if ddp is None else _local_gradients(ddp)
 
 
@@ -631,17 +587,12 @@ def presence(params: list[Any], saved: list[Any]) -> list[int]:
 
 def average(params: list[Any], present: list[int], group: Any,
             agree: Optional[Callable[[list[int]], list[int]]] = None) -> bool:
-    """Average the gradients over ``group`` as DDP would: a parameter that has a gradient on
-    some rank gets one on every rank (zeros where it had none); one that has none anywhere
-    keeps none. Gradients travel in buckets of at most ``BUCKET_BYTES``, by device and dtype.
+    """Average the gradients over ``group`` as DDP would (a parameter with a gradient on some rank
+    gets one on all), in buckets of at most ``BUCKET_BYTES`` by device and dtype.
 
-    The buckets are allocated before any collective; with ``agree`` (a max over the ranks,
-    on a group that does not allocate where memory ran out) the ranks then agree on whether
-    every rank could allocate them, and where one could not, every rank reduces each
-    gradient in place instead (no allocation; one collective per parameter), so an
-    out-of-memory there leaves no rank in an unmatched collective. Returns whether the
-    buckets served.
-    """
+    With ``agree``, the ranks first agree that every rank could allocate the buckets; where one
+    could not, all reduce each gradient in place instead, so no rank is left in an unmatched
+    collective. Returns whether the buckets served."""
     import torch
     import torch.distributed as dist
 
