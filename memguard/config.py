@@ -75,25 +75,23 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
                         roundup_power2_divisions: Optional[int] = None) -> str:
     """Set PyTorch's caching-allocator options for this process and return the result.
 
-    Validates each value (a ``ValueError`` names the option and its allowed range), merges
-    with what ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` already hold (the new
-    values win), and writes both variables. The allocator reads them when CUDA initialises:
-    called later it warns that the settings cannot take effect in this process.
+    Merges with what ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` hold (the new values
+    win) and writes both. The allocator reads them when CUDA initialises: called later, it
+    warns that they cannot take effect.
 
     Args:
         max_split_size_mb: blocks larger than this (MiB, an int above 20) are never split.
             Default ``None``: left as it is.
         expandable_segments: let the allocator grow segments instead of allocating new ones.
             Default ``None``: left as it is.
-        garbage_collection_threshold: reclaim cached blocks once this fraction (between 0 and 1)
-            of the memory is in use. Default ``None``: left as it is.
+        garbage_collection_threshold: reclaim cached blocks once this fraction (between 0 and
+            1) of the memory is in use. Default ``None``: left as it is.
         backend: ``"native"`` or ``"cudaMallocAsync"``. Default ``None``: left as it is.
         roundup_power2_divisions: round allocations up to this many divisions of a power of
             two (a power of two up to 16). Default ``None``: left as it is.
 
     Returns:
-        The merged configuration, as written to ``PYTORCH_ALLOC_CONF`` and
-        ``PYTORCH_CUDA_ALLOC_CONF``.
+        The merged configuration, as written to both variables.
 
     Raises:
         ValueError: a value outside its range, naming the option and the range.
@@ -120,13 +118,11 @@ def configure_allocator(*, max_split_size_mb: Optional[int] = None,
 
 
 def tf_memory_growth(enable: bool = True) -> int:
-    """Set memory growth on every visible TensorFlow GPU, so TensorFlow claims GPU memory
-    as it needs it instead of nearly all of it at start; returns the number of GPUs (0
-    without GPUs or without TensorFlow installed). Once TensorFlow has initialised its GPUs,
-    a ``RuntimeError`` says to call it before any TensorFlow op.
+    """Set memory growth on every visible TensorFlow GPU, so TensorFlow claims GPU memory as it
+    needs it instead of nearly all of it at start.
 
     Args:
-        enable: turn memory growth on (``True``) or off.
+        enable: turn memory growth on (``True``, the default) or off.
 
     Returns:
         The number of GPUs set (0 without GPUs or without TensorFlow).
@@ -147,8 +143,7 @@ def tf_memory_growth(enable: bool = True) -> int:
 
 
 class MemoryLimit:
-    """The context manager :func:`memory_limit` returns: ``limit`` in bytes and the
-    ``device`` it binds (``"host"`` or ``"cuda:N"``).
+    """The context manager :func:`memory_limit` returns (one block at a time).
 
     Attributes:
         limit: the bytes the block may use.
@@ -235,8 +230,8 @@ _DEVICES = "'host', 'cuda' or 'cuda:N'"
 
 
 def _checked_device(device: Any) -> str:
-    """``device`` as ``"host"`` or ``"cuda:N"`` (the default: the current CUDA device when
-    torch sees one, else the host), or an error that says what is wrong with it."""
+    """``device`` as ``"host"`` or ``"cuda:N"`` (default: the current CUDA device, else the
+    host), or an error saying what is wrong."""
     if device is None:
         return torch_backend.available_cuda_device() or "host"
     if not isinstance(device, str):
@@ -288,42 +283,26 @@ def _import_what_guards_import() -> None:
 def memory_limit(limit: Size, device: Optional[str] = None) -> MemoryLimit:
     """Rehearse a smaller device: inside the block, ``device`` has only ``limit`` bytes.
 
-    - CUDA (``"cuda"``, ``"cuda:N"``, the default when torch sees a GPU): the caching
-      allocator is capped with ``torch.cuda.set_per_process_memory_fraction(limit / total)``;
-      the previous fraction is restored on exit.
-    - ``"host"`` (the default otherwise): a soft ``RLIMIT_AS`` at the current virtual size
-      plus ``limit``, restored on exit. It counts address space, not resident memory, for
-      the whole process (every thread), and works where the kernel enforces it (Linux).
-      Memory freed before the block but still mapped (glibc keeps freed heap) would be
-      reused without new address space: the heap is trimmed on entry and what the entering
-      thread's malloc still holds free is kept out of reach until the block closes.
-    - Limits compose: while several blocks are open, nested or in different threads or
-      asyncio tasks, the tightest is in force (an inner ``memory_limit`` larger than the
-      outer one leaves the outer one in force); when one closes, the tightest of those
-      still open is, whatever order they close in; when the last closes, the limit found
-      before the first opened is back. One ``MemoryLimit`` object is one block at a time.
-    - TensorFlow GPUs can only be limited before TensorFlow initialises them, for good: use
-      ``tf.config.set_logical_device_configuration(gpu,
-      [tf.config.LogicalDeviceConfiguration(memory_limit=MiB)])`` at the start; memory_limit
-      raises a ``RuntimeError`` that says so.
-
-    A device that is not a string is a ``TypeError``; any other than ``"host"``,
-    ``"cuda"`` or ``"cuda:N"``, or a CUDA device torch does not see, a ``ValueError``, both
-    raised when ``memory_limit`` is called.
+    On CUDA the caching allocator is capped with ``set_per_process_memory_fraction``. On the
+    host a soft ``RLIMIT_AS`` is set at the current virtual size plus ``limit`` (Linux; it
+    counts address space for the whole process, and the heap is trimmed on entry so freed
+    memory is not reused beyond the limit). Open limits compose: the tightest is in force,
+    and the previous one is back when the last closes. TensorFlow GPUs can only be limited
+    before TensorFlow initialises them (``tf.config.set_logical_device_configuration``).
 
     Args:
         limit: the bytes the block may use, an int or a size such as ``"256MiB"``.
-        device: ``"host"``, ``"cuda"`` or ``"cuda:N"`` (default: see above).
+        device: ``"host"``, ``"cuda"`` or ``"cuda:N"``. Default ``None``: the current CUDA
+            device when torch sees one, else the host.
 
     Returns:
         a :class:`MemoryLimit`, to use with ``with``.
 
     Raises:
         TypeError: a ``device`` that is not a string.
-        ValueError: a device other than ``"host"``, ``"cuda"``, ``"cuda:N"``, a CUDA device torch
-            does not see, or an unreadable ``limit``.
-        RuntimeError: a TensorFlow GPU, which can only be limited before TensorFlow initialises
-            it.
+        ValueError: another device, a CUDA device torch does not see, or an unreadable
+            ``limit``.
+        RuntimeError: a TensorFlow GPU.
 
     >>> import torch, memguard
     >>> with memguard.memory_limit("256MiB", device="host"):  # doctest: +SKIP

@@ -1,14 +1,8 @@
-"""Size files: working sizes remembered in a JSON file shared across processes, ranks and
-restarts (``oom_retry(cache=path)``, ``find_batch_size(cache=path)``).
-
-- :func:`size_key`: the key a size is kept under, by the code of the function
-  (:func:`code_identity`), the start size, the search parameters and the device (name and
-  total memory), so different code never shares a size.
-- :class:`SizeFile`: the file, written atomically (a temporary file renamed over it) under an
-  advisory lock, so ranks and processes sharing it merge their entries; a file that is not
-  memguard's is never written, and no file ever breaks a call (a warning says why). The lock
-  is taken on the file's folder: nothing is left beside the file.
-"""
+"""Size files: working sizes kept in a JSON file shared across processes, ranks and restarts
+(``oom_retry(cache=path)``, ``find_batch_size(cache=path)``). :func:`size_key` makes the
+key (code, start, search parameters, device); :class:`SizeFile` writes the file atomically
+under an advisory lock on its folder, never touches a file that is not memguard's, and
+never breaks a call (a warning says why)."""
 
 from __future__ import annotations
 
@@ -37,25 +31,22 @@ def qualified_name(func: Any) -> str:
 
 def size_key(kind: str, func: Any, start: int, device: Optional[str] = None,
              **search: Any) -> str:
-    """The key a working size is kept under: who found it, for which code (see
-    :func:`code_identity`), from which start, with which search parameters (every one that
-    changes the answer), on which device (``device_identity()`` unless given).
+    """The key a working size is kept under: who found it, for which code
+    (:func:`code_identity`), from which start, with which search parameters, on which device.
 
     Args:
         kind: who found the size (``"oom_retry"``, ``"find_batch_size"``).
         func: the function (or callable) the size was found for.
         start: the size the search or the call started from.
         device: the device's identity; ``device_identity()`` when ``None``.
-        **search: further parameters that change the size found, written ``name=value`` in
-            the order given (a callable as its qualified name).
+        **search: further parameters that change the size found, as ``name=value`` in order
+            (a callable as its qualified name).
 
     Returns:
         A one-line, human-readable key.
 
     >>> key = size_key("find_batch_size", qualified_name, 64, "host x86_64 (1 bytes)",
     ...                max_batch_size=None, mode="binsearch")
-    >>> key.split(" at ")[0]
-    'find_batch_size memguard.sizefile.qualified_name'
     >>> key.split(" code=")[1][9:]
     'start=64 max_batch_size=None mode=binsearch on host x86_64 (1 bytes)'
     """
@@ -66,12 +57,10 @@ def size_key(kind: str, func: Any, start: int, device: Optional[str] = None,
 
 
 def code_identity(func: Any) -> str:
-    """What identifies the code of ``func`` across processes: its qualified name, the file and
-    first line of its code (the script's full path for ``__main__``) and a digest of its
-    bytecode, constants, the names it reads, its defaults and the values its closure holds
-    (numbers, strings and tuples of them by value, other objects by type). So two lambdas of
-    one module, two closures of one factory holding different values and two scripts'
-    ``__main__.train`` differ; editing the function changes it too.
+    """What identifies ``func``'s code across processes: its qualified name, file and first line,
+    and a digest of its bytecode, constants, names, defaults and closure values (plain values
+    by value, other objects by type): two closures holding different values differ, and so
+    does an edited function.
 
     Args:
         func: a function, method, ``functools.partial``, decorated function (followed through
@@ -120,9 +109,8 @@ _MAX_DEPTH, _MAX_ITEMS = 6, 64
 
 
 def _fingerprint(value: Any, depth: int) -> str:
-    """A text that changes when the behaviour ``value`` stands for changes and is the same in
-    every process: code by its bytes and constants, plain values by ``repr``, other objects
-    by their type (their state may differ from run to run: a model, a list of results)."""
+    """A text, the same in every process, that changes with the behaviour ``value`` stands for:
+    code by bytes and constants, plain values by ``repr``, other objects by type."""
     import functools
     import types
 
@@ -192,11 +180,9 @@ def check_path(value: Any, name: str = "cache") -> str:
 class SizeFile:
     """Working sizes kept in a JSON file: ``{"memguard sizes": 1, "sizes": {key: size}}``.
 
-    Only memguard's own files are ever written: a missing file is created (through a symbolic
-    link, the link kept), an empty one (no bytes) becomes a size file, and anything else (a
-    file that is not a size file, a read-only file, one that cannot be read, a folder) is left
-    exactly as it is, with one warning naming the file and why, pointing at the caller's line.
-    A read-only size file is still read. Reading never raises into a call.
+    A missing or empty file becomes a size file (a symbolic link is kept); any other file is
+    left as it is, with one warning, and a read-only size file is still read. Reading never
+    raises into a call.
 
     Args:
         path: the file's path (``str`` or ``os.PathLike``).
@@ -225,8 +211,7 @@ class SizeFile:
         warn_at_caller(message)
 
     def _inspect(self) -> tuple[Optional[dict[str, int]], Optional[str]]:
-        """``(sizes, problem)``: the entries (``None`` when the file cannot be used at all) and
-        why it must not be written (``None`` when it may be)."""
+        """``(sizes, problem)``: the entries (``None``: unusable), why not to write (or None)."""
         import stat
 
         try:
@@ -282,28 +267,15 @@ class SizeFile:
                 and v > 0}
 
     def get(self, key: str) -> Optional[int]:
-        """The size kept under ``key``, or ``None``.
-
-        Args:
-            key: a key made by :func:`size_key`.
-
-        Returns:
-            The size, or ``None`` when there is none (or the file cannot be read: a warning).
-        """
+        """The size kept under ``key`` (a :func:`size_key`), or ``None`` (also when unreadable)."""
         sizes, problem = self._inspect()
         if sizes is None and problem is not None:
             self._warn(problem)
         return (sizes or {}).get(key)
 
     def put(self, key: str, size: int) -> None:
-        """Keep ``size`` under ``key``: read, merge and replace the file under a lock, so
-        entries other processes wrote meanwhile are kept. A file that must not be written is
-        left as it is, with a warning (never an exception).
-
-        Args:
-            key: a key made by :func:`size_key`.
-            size: the working size.
-        """
+        """Keep ``size`` under ``key``: read, merge and replace the file under the lock, keeping
+        other processes' entries; a file that must not be written gets a warning."""
         sizes, problem = self._inspect()
         if sizes is not None and sizes.get(key) == size:
             return  # nothing to keep (a read-only size file that already holds it, say)
@@ -328,16 +300,8 @@ class SizeFile:
                        f"writable")
 
     def forget(self, keep: Callable[[str], bool]) -> int:
-        """Drop every entry whose key ``keep`` refuses, under the lock as :meth:`put`
-        writes; a missing file stays missing, a file that must not be written is left as it
-        is, with a warning (never an exception).
-
-        Args:
-            keep: ``key -> bool``: whether the entry stays.
-
-        Returns:
-            How many entries were dropped.
-        """
+        """Drop every entry whose key ``keep(key)`` refuses, as :meth:`put` writes; how many were
+        dropped."""
         sizes, problem = self._inspect()
         if not sizes or all(keep(key) for key in sizes):
             return 0  # nothing of ours (or no file): nothing to write
@@ -408,11 +372,8 @@ def _sync_folder(folder: str) -> None:
 
 
 class _FileLock:
-    """An exclusive ``flock`` on the folder ``path`` (a size file's own folder): no lock file
-    is left beside the size file, and since the file is replaced by a rename, its folder is
-    the one thing every writer can lock (a lock file removed after use would let a third
-    writer lock a new one while a second still holds the old). Nothing where ``fcntl`` is
-    missing (the rename alone keeps the file whole there)."""
+    """An exclusive ``flock`` on the size file's folder: the file is replaced by a rename, so its
+    folder is what every writer can lock, and no lock file is left. Nothing without ``fcntl``."""
 
     def __init__(self, path: str) -> None:
         self.path = path
