@@ -1,10 +1,6 @@
 """Who holds an object: short paths from a root (a module global, a frame, a class, an
-instance) to it, found by walking the collector's referrers, and leaked tensors described by
-what holds them.
-
-The walk is bounded in depth and time, ignores memguard's own objects and never raises
-because of the program's objects.
-"""
+instance) to it, found by walking the collector's referrers (bounded in depth and time,
+memguard's own objects ignored, never raising because of the program's objects)."""
 
 from __future__ import annotations
 
@@ -60,9 +56,8 @@ def _type_name(kind: type) -> str:
 
 
 def _safe_repr(value: Any) -> str:
-    """``repr(value)`` cut to ``REPR_LIMIT`` characters; ``<Session object at 0x7f...>`` when
-    the program's ``__repr__`` raises or returns something other than a string (a detached
-    ORM row's does)."""
+    """``repr(value)`` cut to ``REPR_LIMIT``; ``<Session object at 0x7f...>`` when it raises or
+    returns a non-string."""
     try:
         text = repr(value)
     except Exception:  # noqa: BLE001 - the program's own __repr__ may raise anything; a path is still due
@@ -77,9 +72,8 @@ def _base(kind: type, bases: tuple[type, ...]) -> Optional[type]:
 
 
 def _positions(container: Any) -> tuple[dict[int, int], Optional[list], int]:
-    """``id(member) -> position`` over a container (first occurrence), its keys when it is a
-    dict (a value maps to its key's position ``p``, a key to ``-p - 1``) and its length. Read
-    through the base type: a subclass's own ``items`` or ``__iter__`` never runs."""
+    """``id(member) -> position`` over a container (dict values map to their key's ``p``, keys to
+    ``-p - 1``), and its length; read through the base type (no subclass code runs)."""
     index: dict[int, int] = {}
     kind = type(container)
     if issubclass(kind, dict):
@@ -98,9 +92,8 @@ def _positions(container: Any) -> tuple[dict[int, int], Optional[list], int]:
 
 
 class _Walk:
-    """What one walk keeps while it runs (the module namespaces, the running frames' locals,
-    the positions of large containers) and the ids of its own objects, which it never walks
-    through."""
+    """What one walk keeps (module namespaces, running frames' locals, large containers'
+    positions) and the ids of its own objects, never walked through."""
 
     def __init__(self) -> None:
         self.modules: dict[int, str] = {}
@@ -128,9 +121,8 @@ class _Walk:
         self.own.update(id(local_vars) for _, local_vars in self.stacks)
 
     def step(self, container: Any, obj: Any) -> Optional[tuple[str, Optional[str]]]:
-        """How ``container`` refers to ``obj`` (``[3]``, ``[-1]``, ``['key']``, ``.keys()[0]``,
-        ``{...}``) and, for a dict, the key when it is a string (an instance's ``__dict__``
-        gives the attribute); None when it does not refer to it or is no container."""
+        """How ``container`` refers to ``obj`` (``[3]``, ``['key']``, ``.keys()[0]``, ``{...}``)
+        and a dict's string key; ``None`` when it does not."""
         if _base(type(container), _CONTAINERS) is None:
             return None
         found = self.indexed.get(id(container))
@@ -156,8 +148,7 @@ class _Walk:
         return ("[-1]" if last else f"[{position}]"), None
 
     def members(self, kind: type) -> list[tuple[str, Any]]:
-        """The slots' descriptors of a class and its bases, ``(name, descriptor)``; once a
-        walk for each class (a tensor's bases have hundreds of attributes)."""
+        """The slots' descriptors of a class and its bases, cached per walk."""
         found = self.slots.get(id(kind))
         if found is None:
             found = self.slots[id(kind)] = [
@@ -168,9 +159,8 @@ class _Walk:
         return found
 
     def delegation(self, suspended: Any) -> str:
-        """``generator epoch() yield from ``: what delegates to a suspended generator or
-        coroutine (``yield from``, ``await``), outermost first, and the word for what it is;
-        one pass of the collector a generator, once a walk."""
+        """What delegates to a suspended generator or coroutine (``yield from``, ``await``),
+        outermost first, as ``generator epoch() yield from ``."""
         known = self.delegations.get(id(suspended))
         if known is not None:
             return known
@@ -188,10 +178,8 @@ class _Walk:
         return found
 
     def referrers(self, wanted: dict[int, Any], deadline: float) -> list[tuple[Any, Any]]:
-        """``(referrer, object)`` for every referrer of the objects ``wanted`` maps by id: one
-        pass of the collector (``gc.get_referrers``, whose cost grows with the number of
-        objects asked about) or, for many objects, one pass over every tracked object looking
-        their ids up."""
+        """``(referrer, object)`` for every referrer of the objects in ``wanted`` (by id): one
+        ``gc.get_referrers`` pass, or for many objects one pass over every tracked object."""
         objects = tuple(wanted.values())
         self.own.add(id(objects))
         if len(objects) <= REFERRER_PASS:
@@ -225,26 +213,18 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
     """Short paths from a root to ``target``, found breadth-first over ``gc.get_referrers``.
 
     Roots are module globals (``module __main__, global CACHE[3]``), frames (``frame
-    train() local 'outputs'``), suspended generators and coroutines (``generator batches()
-    local 'x'``, ``generator epoch() yield from batches() local 'x'``), class instances
-    that nothing above roots (``Trainer object .history[-1]``, ``__slots__`` included: a
-    walk goes on past an instance to the global or frame holding it), classes (``class Config
-    .TABLE``) and closures. A returned frame kept by a saved traceback is named through the
-    error that keeps it (``module app, global last_error.__traceback__, frame step() local
-    'x'``), a result an ``lru_cache`` keeps through the cached function (``module app,
-    global load (its lru_cache[3]; .cache_clear() frees it)``). The walk goes through dicts
-    (values and keys: ``.keys()[0]``), lists, tuples, deques and sets. It is bounded in
-    depth and time, ignores memguard's own objects and never raises because of the
-    program's objects: a key whose ``repr`` fails reads ``[<Row object at 0x7f...>]``, a
-    referrer that fails when looked at is passed over.
+    train() local 'outputs'``), suspended generators (``generator batches() local 'x'``),
+    instances nothing roots (``Trainer object .history[-1]``), classes (``class Config
+    .TABLE``) and closures; a frame kept by a saved traceback and an ``lru_cache`` entry are
+    named through what keeps them. The walk goes through dicts, lists, tuples, deques and
+    sets.
 
     Args:
         target: the object (a tensor, usually) whose holders to find.
         max_depth: the most steps from a root to ``target``.
         max_paths: the most paths returned, shortest first.
         seconds: the time the walk may take beyond its first three levels, which always
-            complete (a module global, an instance's attribute or a list in either is
-            found however large the heap).
+            complete.
 
     Returns:
         The paths, shortest first; empty when none was found.
@@ -263,9 +243,8 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
 def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
                     max_paths: int = HOLDER_PATHS, seconds: float = HOLDER_SECONDS
                     ) -> list[list[str]]:
-    """:func:`find_holders` for several targets at once, in one walk: each level costs one
-    pass over every tracked object (the collector's ``gc.get_referrers`` for up to
-    ``REFERRER_PASS`` objects, a pass looking ids up beyond), whatever the number of targets.
+    """:func:`find_holders` for several targets in one walk (one pass over the tracked objects
+    per level, whatever the number of targets).
 
     Args:
         targets: the objects whose holders to find.
@@ -274,11 +253,7 @@ def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
         seconds: the time the whole walk may take.
 
     Returns:
-        One list of paths for each target, in the order of ``targets``.
-
-    >>> find_holders_of([])
-    []
-    """
+        One list of paths for each target, in the order of ``targets``."""
     return walk_holders(targets, max_depth, max_paths, seconds)[0]
 
 
@@ -365,11 +340,8 @@ def walk_holders(targets: list[Any], max_depth: int, max_paths: int, seconds: fl
 
 
 def _running_frames() -> list[tuple[types.FrameType, dict]]:
-    """Every thread's running frames (memguard's own left out), with their locals.
-
-    The walk's own locals are dropped before returning: this frame is among the running
-    ones, and a local naming it would make a cycle keeping the caller's frames (and the
-    tensors they hold) alive until the next full collection."""
+    """Every thread's running frames (memguard's left out), with their locals. The walk's own
+    locals are dropped first: a local naming this frame would keep the caller's frames alive."""
     found = []
     tops = list(sys._current_frames().values())  # noqa: SLF001 - every thread's frames: no public way
     for top in tops:
@@ -385,9 +357,8 @@ def _running_frames() -> list[tuple[types.FrameType, dict]]:
 
 def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
           walk: _Walk) -> Optional[str]:
-    """The path if ``ref`` is a root holding ``obj``; ``""`` for a referrer to skip; ``None``
-    to keep walking through it. Types are read with ``type()``, never ``isinstance``: a
-    program's proxy may answer ``__class__`` with anything, or raise."""
+    """The path if ``ref`` is a root holding ``obj``; ``""`` to skip it; ``None`` to walk on.
+    Types read with ``type()``: a proxy's ``__class__`` may lie or raise."""
     kind = type(ref)
     if kind is types.FrameType:
         # the collector reports no running frame (those are read from the stacks): this one
@@ -455,8 +426,8 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
 
 
 class _Instance(str):
-    """An instance's attribute path (``Holder object .t``): the walk goes on past it to the
-    name that roots the instance, and keeps this form only when it finds none."""
+    """An instance's attribute path (``Holder object .t``), kept only when no root is found past
+    the instance."""
 
     attribute: str
 
@@ -474,8 +445,7 @@ def _instance_dict(owner: Any) -> Optional[dict]:
 
 
 def _slot_holding(owner: Any, obj: Any, walk: _Walk) -> Optional[str]:
-    """The ``__slots__`` entry of ``owner`` that holds ``obj`` (a private one by its mangled
-    name, ``_Model__cache``), read through the slots' descriptors."""
+    """The ``__slots__`` entry of ``owner`` holding ``obj`` (mangled name for a private one)."""
     kind = type(owner)
     for name, member in walk.members(kind):
         try:
@@ -488,8 +458,7 @@ def _slot_holding(owner: Any, obj: Any, walk: _Walk) -> Optional[str]:
 
 
 def _class_root(cls: type, obj: Any, suffix: str, as_attribute: Optional[str]) -> str:
-    """``class Config .TABLE``: a class attribute, reached from the value itself or from the
-    class's namespace (the dict a class keeps its attributes in)."""
+    """``class Config .TABLE``: a class attribute, from the value or the class's namespace."""
     namespace = _CLASS_DICT.__get__(cls)  # a read-only view over that dict
     if as_attribute is not None and any(inner is obj for inner in gc.get_referents(namespace)):
         return f"class {_type_name(cls)} {as_attribute}"
@@ -500,9 +469,8 @@ def _class_root(cls: type, obj: Any, suffix: str, as_attribute: Optional[str]) -
 
 
 def _suspended_root(ref: Any, obj: Any, suffix: str, walk: _Walk) -> str:
-    """``generator batches() local 'x'``: a local of a suspended generator, coroutine or
-    async generator, named through the ones that delegate to it (``generator epoch() yield
-    from batches() local 'x'``)."""
+    """``generator batches() local 'x'``: a suspended generator's or coroutine's local, named
+    through those that delegate to it."""
     frame = getattr(ref, _SUSPENDED[type(ref)][1])
     if frame is None or _is_own_frame(frame):
         return ""
@@ -517,12 +485,10 @@ def _nbytes(info: TensorInfo) -> int:
 
 
 def describe_leaks(leaks: list[TensorInfo], groups: int = 3) -> list[str]:
-    """The leaked tensors ``leaks`` (largest first) grouped by what keeps them, largest group
-    first, at most ``groups`` lines and a last one for the rest: a tensor alone reads
-    ``float32[10240, 1024] held by module __main__, global CACHE[0] (40.0 MiB)``; a graph once,
-    with all it keeps, ``float32[1024, 4096] and 4 more saved by the graph of float32[] held by
-    module __main__, global losses[2] (21.0 MiB)`` (the tensor owning the graph counts in its
-    group). Holder paths are looked for only for the tensors shown.
+    """The leaked tensors ``leaks`` grouped by what keeps them, largest first, at most ``groups``
+    lines and one for the rest: ``float32[10240, 1024] held by module __main__, global
+    CACHE[0] (40.0 MiB)``; a graph once, with all it keeps (``... and 4 more saved by the graph
+    of float32[] held by ...``).
 
     >>> describe_leaks([])
     []
