@@ -1,14 +1,10 @@
 """``memguard demo``: train a small model under a memory budget, starting too big.
 
-On the best device present (CUDA, MPS, else the CPU) a small network trains on synthetic data
-(nothing is downloaded) inside ``memory_limit(budget)``, starting at a batch size that does
-not fit: ``oom_retry`` finds one that does, printing each retry as it happens; every epoch
-runs in a ``memory_scope`` that tracks tensors, and a ``MemoryMonitor`` records the timeline.
-The exit code says whether everything held: a size was found, the epochs finished, memory
-did not creep up after the first epoch (64 MiB of slack for the allocators' noise), and no
-epoch left a tensor behind. A budget too small for the kernels themselves ends with a message
-that says so and what to try, not a traceback.
-"""
+A small network trains on synthetic data on the best device present inside
+``memory_limit(budget)``; ``oom_retry`` finds a batch size that fits, each epoch runs in a
+``memory_scope`` and a ``MemoryMonitor`` records the timeline. The exit code says whether
+everything held: a size found, the epochs finished, no creep after the first epoch, no
+tensor left behind."""
 
 from __future__ import annotations
 
@@ -137,8 +133,8 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optional[str]:
-    """What the demo says when ``exc`` is a failed allocation in disguise (see
-    ``DISGUISED_OOM``) at ``batch_size`` under ``budget`` bytes; None for any other error.
+    """What the demo says when ``exc`` is a failed allocation in disguise (``DISGUISED_OOM``);
+    ``None`` for any other error.
 
     >>> text = explain_failure(RuntimeError("could not create a primitive"), 32 << 20, 512)
     >>> text.endswith("a 32.0 MiB budget is too small for this demo; try --budget 256MiB "
@@ -152,11 +148,7 @@ def explain_failure(exc: BaseException, budget: int, batch_size: int) -> Optiona
 
 
 def too_small(budget: int) -> str:
-    """What the demo suggests when ``budget`` bytes cannot train even its smallest batch.
-
-    >>> too_small(32 << 20)[:60]
-    'a 32.0 MiB budget is too small for this demo; try --budget 2'
-    """
+    """What the demo suggests when ``budget`` bytes cannot train its smallest batch."""
     larger = max(2 * budget, 256 << 20) >> 20
     return (f"a {format_bytes(budget)} budget is too small for this demo; try --budget "
             f"{larger}MiB or more (the default is 768MiB)")
@@ -175,9 +167,8 @@ def retry_line(attempt: Attempt) -> str:
 
 @dataclasses.dataclass
 class DemoRun:
-    """What :func:`train` did: ``ok`` (everything held), the batch size that fit (``None``
-    if none did), the epochs' scopes, the ``monitor`` that watched them, the marks to draw
-    (in the order things happened) and the horizontal lines for the timeline."""
+    """What :func:`train` did: ``ok``, the batch size that fit (or ``None``), the epochs' scopes,
+    the ``monitor``, the marks and the horizontal lines for the timeline."""
 
     framework: str
     device: str
@@ -193,15 +184,8 @@ class DemoRun:
 def check_budget(budget: int) -> int:
     """``budget`` if the demo can run under it, else a ``ValueError`` that says why.
 
-    Args:
-        budget: bytes of memory the training may use.
-
-    Returns:
-        ``budget``.
-
     >>> check_budget(1024)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ...
     ValueError: 1.0 KiB is too small for this demo: under 4.0 MiB torch's own kernels ...
     """
     if budget < SMALLEST_BUDGET:
@@ -213,18 +197,11 @@ def check_budget(budget: int) -> int:
 
 
 def check_plot_path(path: str) -> str:
-    """``path`` if the timeline can be written there, else a ``ValueError`` that says why:
-    checked before training, which takes seconds.
-
-    Args:
-        path: where the PNG goes.
-
-    Returns:
-        ``path``.
+    """``path`` if the timeline can be written there (checked before training), else a
+    ``ValueError`` that says why.
 
     >>> check_plot_path("/no/such/folder/demo.png")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ...
     ValueError: cannot write the timeline to '/no/such/folder/demo.png': the folder '/no/su...
     """
     folder = os.path.dirname(os.path.abspath(path))
@@ -241,9 +218,7 @@ def check_plot_path(path: str) -> str:
 
 def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
         epochs: int = 3, say: Callable[..., None] = _say) -> int:
-    """Run the demo and write its timeline to ``plot`` (nothing when empty); returns the
-    exit code (0: everything held). A ``plot`` that cannot be written is a ``ValueError``
-    before any training."""
+    """Run the demo and write its timeline to ``plot`` (if given); the exit code (0: all held)."""
     started = time.perf_counter()
     if plot:
         check_plot_path(plot)
@@ -261,7 +236,7 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
 
 def train(budget: int, framework: str = "torch", epochs: int = 3,
           say: Callable[..., None] = _say) -> DemoRun:
-    """Train under ``budget`` bytes, starting too big, and print what happens and a summary.
+    """Train under ``budget`` bytes, starting too big, printing what happens and a summary.
 
     Args:
         budget: the bytes :func:`memguard.memory_limit` gives the training.
@@ -270,13 +245,7 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
         say: where the lines go (``print``-like).
 
     Returns:
-        a :class:`DemoRun`.
-
-    >>> result = train(768 << 20, epochs=1)  # doctest: +SKIP
-    memguard demo: torch on cpu, a 768.0 MiB budget, ...
-    >>> result.ok, result.batch_size  # doctest: +SKIP
-    (True, 16384)
-    """
+        a :class:`DemoRun`."""
     check_budget(budget)
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "
@@ -358,18 +327,8 @@ def train(budget: int, framework: str = "torch", epochs: int = 3,
 
 
 def timeline(result: DemoRun) -> Any:
-    """The demo's timeline as a matplotlib ``Figure``: memory per device, and on the host the
-    virtual size against the address-space limit the budget set; every mark in the order
-    things happened.
-
-    Args:
-        result: what :func:`train` returned.
-
-    Returns:
-        the ``Figure`` (``ImportError`` without matplotlib).
-
-    >>> timeline(train(768 << 20, epochs=1)).savefig("demo.png")  # doctest: +SKIP
-    """
+    """The demo's timeline (:func:`train`'s ``result``) as a matplotlib ``Figure``: memory per
+    device, the host's virtual size against the budget, every mark in order."""
     title = (f"memguard demo: {result.framework} on {result.device}, "
              f"memory_limit {format_bytes(result.budget)}")
     figure = result.monitor.figure(title=title, lines=result.lines, marks=result.marks)
@@ -381,8 +340,7 @@ OOM_MARK = "out of memory"
 
 
 def _highlight_oom(figure: Any, result: DemoRun) -> None:
-    """Draw each out-of-memory apart from the other marks: a red line across every panel and
-    a red label at the top, where the grey lines of the other marks carry numbers only."""
+    """Draw each out-of-memory as a red line and label across every panel."""
     start = result.monitor.started or min((t for t, _ in result.marks), default=0.0)
     times = [t - start for t, label in result.marks if label.startswith(OOM_MARK)]
     if not times or not figure.axes:
@@ -402,10 +360,8 @@ def _highlight_oom(figure: Any, result: DemoRun) -> None:
 
 
 def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]:
-    """The budget as a horizontal line where it caps what is drawn: on CUDA, the memory
-    fraction caps the caching allocator's reserved memory. On the host the budget is a limit
-    on address space, which the monitor draws itself against the virtual size (the resident
-    set, never near it, would put a line where nothing happens)."""
+    """The budget as a horizontal line where it caps what is drawn (CUDA's reserved memory; the
+    host's address-space limit is drawn by the monitor itself)."""
     if limit_device == "host":
         return {}
     from .snapshot import snapshot  # pragma: gpu
@@ -416,8 +372,8 @@ def _ceiling(limit_device: str, budget: int) -> dict[str, list[tuple[int, str]]]
 
 
 def _creep(scopes: list[MemoryScope]) -> dict[str, int]:
-    """Devices whose level grew by more than ``CREEP_TOLERANCE`` from the end of the first
-    epoch to the end of the last (the resident set on the host, ``allocated`` elsewhere)."""
+    """Devices whose level grew by more than ``CREEP_TOLERANCE`` from the first epoch's end to
+    the last's."""
     if len(scopes) < 2 or scopes[0].after is None or scopes[-1].after is None:
         return {}
     grown = {}
@@ -431,9 +387,8 @@ def _creep(scopes: list[MemoryScope]) -> dict[str, int]:
 
 
 def tried_lines(tries: list[list[Any]]) -> list[str]:
-    """The summary's account of every attempt: one line per epoch (epochs that tried the same
-    sizes with the same outcomes share one), sizes in the order tried, each run of one outcome
-    named once, as in ``epoch 2: 64 out of memory; 32 fits``."""
+    """The summary's account of every attempt, one line per epoch (alike epochs share one):
+    ``epoch 2: 64 out of memory; 32 fits``."""
     epochs: dict[int, list[tuple[int, str]]] = {}
     for epoch, size, outcome in tries:
         epochs.setdefault(epoch, []).append((size, outcome))

@@ -17,12 +17,11 @@ C = TypeVar("C")
 
 class BatchResults(list[T], Generic[T]):
     """The list :func:`map_batches` returns (without ``collate``): one result per call of
-    ``fn``, in order, and ``history``, the :class:`Attempt` records of its retries (one per
-    out-of-memory, and one for the size that worked next).
+    ``fn``, in order, with ``history``.
 
     Args:
         items: the results, in order. Default ``()``: none.
-        history: the retries' records, kept as ``history``. Default ``None``: none.
+        history: the retries' records. Default ``None``: none.
 
     Attributes:
         history: the :class:`Attempt` records of the retries.
@@ -39,9 +38,8 @@ class BatchResults(list[T], Generic[T]):
 
 
 class _Segment(Loop):
-    """``map_batches`` over one input (a sequence, or one batch of an iterable): calls of
-    ``fn`` on consecutive slices, the size shrinking on out-of-memory and staying shrunk for
-    the rest; an attempt that fails is redone at the smaller size, finished slices never."""
+    """``map_batches`` over one input: ``fn`` on consecutive slices, the size shrinking on
+    out-of-memory and staying shrunk; finished slices never redone."""
 
     def __init__(self, fn: Callable[[Any], Any], cut: Callable[[int, int], Any], total: int,
                  size: int, policy: Policy, history: list[Attempt], where: Callable[[int], str],
@@ -97,9 +95,8 @@ class _Mapper:
 
     def run(self, cut: Callable[[int, int], Any], total: int, where: Callable[[int], str],
             whole: Any = None, join: bool = False) -> None:
-        """Call ``fn`` on ``cut(start, stop)`` over ``0..total`` (``whole`` as it is when the
-        size allows all of it at once); with ``join``, the slices' results joined into one.
-        Nothing to cut (``total`` 0): no call, no result."""
+        """Call ``fn`` on ``cut(start, stop)`` over ``0..total`` (``whole`` when it fits at once);
+        with ``join``, the slices' results joined. ``total`` 0: no call."""
         if total == 0:
             return
         size = total if self.size is None else min(self.size, total)
@@ -144,30 +141,15 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
                 ) -> Union[BatchResults[T], C]:
     """Apply ``fn`` to ``data`` in batches, shrinking the batch on out-of-memory.
 
-    ``data`` is one of:
+    ``data`` is a sequence (list, tensor, array) cut into slices of ``batch_size``; a tuple or
+    Mapping of per-sample parts, cut part by part as :func:`auto_microbatch` cuts a batch; a
+    map-style ``torch.utils.data.Dataset``, collated with ``default_collate``; or an iterable
+    of batches (a ``DataLoader``), each passed as it is (cut to ``batch_size`` when longer,
+    its slices' results joined). An empty input calls ``fn`` never.
 
-    - a sequence of items with ``len()`` and slicing (a list, a tensor, an array), cut into
-      slices of ``batch_size``;
-    - a tuple or dict (any ``Mapping``, nested) of per-sample parts, such as ``(x, y)`` or
-      ``{"input_ids": ..., "attention_mask": ...}``: cut part by part, as
-      :func:`auto_microbatch` cuts a batch, and ``fn`` receives the same structure;
-    - a map-style ``torch.utils.data.Dataset``: ``batch_size`` samples at a time, collated
-      with ``default_collate`` (a ``TensorDataset`` gives ``(x, y)`` of stacked tensors);
-    - a ``DataLoader``, or any other iterable of batches (a generator): each batch goes to
-      ``fn`` as it is (cut to ``batch_size`` when one is given and the batch is longer); the
-      results of one batch's slices are joined into one result per input batch (tensors
-      and arrays concatenated, lists end to end, tuples and dicts part by part; results of
-      other kinds become the list of the slices' results).
-
-    An empty input (a sequence, structure or dataset of no items, an iterable of no batches)
-    calls ``fn`` never and returns an empty :class:`BatchResults` (or ``collate([])``): a
-    result per slice, and there is no slice. An empty batch of an iterable is still a batch
-    and goes to ``fn`` once, whole.
-
-    On an out-of-memory only the failed batch (or slice) is retried, at a smaller size (half,
-    by default), split along dim 0 (element-wise for tuples and dicts), and the rest goes on
-    at that size: finished work is never recomputed. The policy arguments mean what they mean
-    to :func:`oom_retry`.
+    On an out-of-memory only the failed slice is retried, smaller, and the rest goes on at
+    that size: finished work is never recomputed. The policy arguments mean what they mean to
+    :func:`oom_retry`.
 
     Args:
         fn: called with each batch; its result is kept.
@@ -175,29 +157,25 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
         batch_size: the size of the slices (needed for everything but an iterable of
             batches). Default ``None``: an iterable's own batches.
         min_batch_size: the smallest size tried. Default ``1``.
-        factor: the next size is ``floor(size * factor)``; ``"auto"`` measures it from what
-            the failed call took and asked for (the budgets are read before every call of
-            ``fn``, a fraction of a millisecond each time); a callable ``size -> next size``.
-            Default ``0.5``.
+        factor: the next size is ``floor(size * factor)``; ``"auto"`` measures it; a
+            callable ``size -> next size``. Default ``0.5``.
         max_attempts: the most attempts at one batch.
             Default ``None``: until ``min_batch_size``.
         on_retry: called with each failed :class:`Attempt` after its cleanup.
             Default ``None``: nothing is called.
-        sync: ``False`` by default, unlike the other entry points: ranks often map inputs of
-            different lengths. With ``True`` (or ``"auto"`` in a job of several ranks) every
-            rank must map data of the same length: a size that fails on any rank is redone
-            on all, and all go on at the same size.
+        sync: ``False`` by default (ranks often map inputs of different lengths); with
+            ``True`` (or ``"auto"`` with several ranks) every rank must map data of the same
+            length and all go on at the same size.
         collate: joins the list of results (``torch.cat``, say) before it is returned.
             Default ``None``: the list of results, a :class:`BatchResults`.
 
     Returns:
         The results, one per slice of a sequence and one per batch of an iterable (a
-        :class:`BatchResults`, whose ``history`` holds the :class:`Attempt` records of the
-        retries, each failure with its ``next_size``), or ``collate(results)``.
+        :class:`BatchResults`), or ``collate(results)``.
 
     Raises:
         OutOfMemoryError: when the slice at ``min_batch_size``, or ``collate``, runs out of
-            memory; the finished results, in order, are on its ``.partial``.
+            memory; the finished results are on its ``.partial``.
 
     >>> import memguard
     >>> memguard.map_batches(sum, list(range(10)), batch_size=4)
@@ -257,8 +235,7 @@ def map_batches(fn: Callable[[Any], T], data: Any, *, batch_size: Optional[int] 
 
 
 def _map_batch(mapper: _Mapper, batch: Any, name: str) -> None:
-    """One batch of an iterable: cut as :func:`plan_batch` says, or, with nothing per sample
-    to cut, passed whole, once."""
+    """One batch of an iterable: cut as :func:`plan_batch` says, or passed whole."""
     try:
         plan: Optional[Plan] = plan_batch(batch)
     except TypeError:
