@@ -1,11 +1,6 @@
-"""Sizes measured instead of guessed: what an attempt's memory says of the next size.
-
-- :func:`size_after_oom`: the next size after an out-of-memory, from what the failed attempt
-  used and asked for against what the budget could give (``factor="auto"``).
-- :class:`Gauge`: what ``factor="auto"`` measures of an attempt.
-- :class:`MemoryFit`: memory = fixed + per-sample x size, fitted to measured peaks, and the
-  largest size a budget holds (``find_batch_size(mode="predict")``).
-"""
+"""Sizes measured instead of guessed: :func:`size_after_oom` (the next size after an
+out-of-memory), :class:`Gauge` (what ``factor="auto"`` measures) and :class:`MemoryFit`
+(memory = fixed + per-sample x size, for ``find_batch_size(mode="predict")``)."""
 
 from __future__ import annotations
 
@@ -30,16 +25,12 @@ no more than the failure itself (see :class:`Gauge`): the fixed factor's step.""
 
 def size_after_oom(size: int, need: Optional[int], available: Optional[int],
                    margin: float = AUTO_MARGIN) -> Optional[int]:
-    """The next size after an out-of-memory at ``size``: the attempt needed at least ``need``
-    bytes (what it had taken when it failed plus what the failed allocation asked for)
-    where ``available`` bytes were free when it began, so at most ``available / need * size``
-    samples fit; less ``margin``, and between ``size * 0.25`` and ``size * 0.9``. ``None``
-    when either figure is unknown (the caller then halves).
+    """The next size after an out-of-memory at ``size``: at most ``available / need * size``
+    (``need``: what the attempt held plus what it asked for), less ``margin``, between
+    ``size * 0.25`` and ``size * 0.9``; ``None`` when a figure is unknown (the caller halves).
 
     >>> size_after_oom(512, need=1024 * 2**20, available=700 * 2**20)
     332
-    >>> size_after_oom(512, need=600 * 2**20, available=700 * 2**20)  # never above size * 0.9
-    460
     """
     if need is None or available is None or need <= 0 or available <= 0:
         return None
@@ -81,12 +72,9 @@ class MemoryFit:
         return mean_m - slope * mean_s, slope
 
     def cautious(self, noise: int) -> Optional[tuple[float, float]]:
-        """``(fixed, per_sample)`` with ``per_sample`` the most the points allow when each
-        reading may be ``noise`` bytes off (the fitted slope, or 0, plus ``noise`` over the
-        span of sizes) and ``fixed`` what the smallest size's memory then leaves; ``None``
-        with fewer than two sizes. What the fixed part of a step is (weights, gradients,
-        optimizer state) is never taken for per-sample memory, so growth that rests on it
-        is not slowed by it.
+        """``(fixed, per_sample)`` with ``per_sample`` the most the points allow when each reading
+        may be ``noise`` bytes off, and ``fixed`` what the smallest size then leaves; ``None``
+        with fewer than two sizes.
 
         >>> fit = MemoryFit()
         >>> fit.add(1, 101 * 2**20); fit.add(2, 102 * 2**20)
@@ -116,18 +104,12 @@ class MemoryFit:
 
 
 class Gauge:
-    """What ``factor="auto"`` measures of one attempt: what each watched device could still
-    give when it began (:meth:`start`) and, inside ``except`` while the failed attempt still
-    holds its memory, what it took and asked for (:meth:`size_after`).
+    """What ``factor="auto"`` measures of one attempt: what each device could give when it began
+    (:meth:`start`) and, inside ``except``, what it took and asked for (:meth:`size_after`).
 
-    A measurement is a lower bound: the attempt needed at least what it held plus what it
-    asked for, maybe much more (the allocations it never reached). Two cases say no more
-    than the failure itself, and then the size halves as the fixed factor 0.5 would:
-
-    - the attempt measured as needing hardly more than there was (the estimate would be
-      ``size * AUTO_MAX`` or more): any failure shows that much;
-    - the attempt was the measured guess of the one before it and failed too: the guess
-      was too large, the next step is no gentler than halving.
+    The measurement is a lower bound, so the size halves instead where it says no more than
+    the failure itself: an attempt that needed hardly more than there was, or a measured
+    guess that failed too.
 
     Args:
         who: the name the log lines give.
@@ -136,8 +118,7 @@ class Gauge:
         >>> gauge = Gauge("train")
         >>> gauge.start()
         >>> gauge.size_after(MemoryError(), 64) is None  # no size stated: the caller halves
-        True
-    """
+        True"""
 
     def __init__(self, who: str) -> None:
         self.who = who
@@ -151,18 +132,9 @@ class Gauge:
         self.before = {d: _safe_reading(d) for d in watched_devices()}
 
     def size_after(self, exc: BaseException, size: int) -> Optional[int]:
-        """Inside ``except``: the size the failed attempt's measured memory says fits (see
-        :func:`~memguard.sizes.size_after_oom`), no more than ``size * 0.5`` when the
-        measurement says no more than the failure does (see the class); ``None`` when it
-        cannot be measured (the caller then halves).
-
-        Args:
-            exc: the out-of-memory error of the attempt.
-            size: the size the attempt ran at.
-
-        Returns:
-            The next size, or ``None``.
-        """
+        """Inside ``except``: the size the failed attempt's memory says fits
+        (:func:`~memguard.sizes.size_after_oom`), at most ``size * 0.5`` where the measurement says
+        nothing more; ``None`` when unmeasured."""
         device = oom_device(exc)
         if device == "cuda":
             device = next((d for d in self.before if d.startswith("cuda:")), device)
@@ -197,8 +169,7 @@ class Gauge:
 
 
 def _safe_reading(device: str) -> Optional[tuple[int, int]]:
-    """What ``device`` can still give under its binding budget, and what of it is new memory
-    (not what the allocator holds free); ``None`` if unknown."""
+    """What ``device`` can still give under its budget, and how much of it is new memory."""
     try:
         found = binding_budget(device)
     except Exception:  # noqa: BLE001 - a reading must never mask the out-of-memory

@@ -1,11 +1,6 @@
-"""PyTorch devices: CUDA (and ROCm, which torch exposes as ``cuda``), MPS and XPU.
-
-``torch.accelerator``'s memory API (torch 2.9+) is preferred where it serves the device's type;
-``torch.cuda`` / ``torch.xpu`` / ``torch.mps`` otherwise. CUDA and XPU are read only once the
-process has initialised them itself: looking never initialises either. MPS has no such state to
-ask and nothing to start: it is read as soon as torch reports it available.
-CPU tensors live in the host process and are measured by the host backend.
-"""
+"""PyTorch devices: CUDA (and ROCm, exposed as ``cuda``), MPS and XPU; CPU tensors belong to
+the host backend. ``torch.accelerator``'s memory API (torch 2.9+) is preferred where it
+serves the device. CUDA and XPU are read only once the process initialised them itself."""
 
 from __future__ import annotations
 
@@ -182,8 +177,7 @@ def _classes() -> list[Any]:
 
 
 def first_non_module(objects: tuple[Any, ...]) -> Optional[int]:
-    """The position of the first of ``objects`` that is not a ``torch.nn.Module`` (the first
-    of any when torch was never imported); ``None`` when all are."""
+    """Position of the first of ``objects`` not a ``torch.nn.Module``; ``None`` if all are."""
     if not objects:
         return None
     if not _CLASSES and "torch" not in sys.modules:
@@ -199,9 +193,7 @@ _write = object.__setattr__
 
 
 def module_tree(models: Iterable[Any]) -> list[Any]:
-    """The models and their submodules, each once: what ``model.modules()`` yields, in
-    another order (breadth first), without the generators that build each one's dotted name.
-    """
+    """The models and their submodules, each once, breadth first (no dotted names built)."""
     out: list[Any] = []
     seen: set[int] = set()
     for model in models:
@@ -217,14 +209,8 @@ def module_tree(models: Iterable[Any]) -> list[Any]:
 
 
 def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
-    """Enter ``torch.inference_mode()`` and put every module in eval mode.
-
-    The models and their submodules, each once (:func:`module_tree`), have their
-    ``training`` flags read; where every one keeps ``torch.nn.Module``'s ``train`` and
-    ``__setattr__`` the flags are written directly (what ``eval()`` does, without its walk
-    through ``Module.__setattr__``), else each model gets its own ``eval()``. Returns ``None``
-    when torch is not imported and no model was given.
-    """
+    """Enter ``torch.inference_mode()`` and put every module in eval mode (flags written directly
+    where no module overrides ``train``/``__setattr__``); ``None`` without torch or models."""
     if not models and "torch" not in sys.modules:
         return None
     _, train, setattr_, guard = _CLASSES or _classes()
@@ -264,8 +250,7 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
 
 
 def _restore(state: InferenceState) -> None:
-    """Leave the block for each of its modules; the last block to leave one puts back its
-    flag as it was before the first entered."""
+    """Leave the block for each module; the last block to leave one restores its flag."""
     _, modules, direct = state
     with _INSIDE_LOCK:
         inside = _INSIDE
@@ -293,8 +278,7 @@ def exit_inference(state: Optional[InferenceState]) -> None:
 
 # -- tensors ------------------------------------------------------------------------------------
 def tensor_types() -> set[type]:
-    """``torch.Tensor`` and every subclass defined now whose instances can own storage
-    (Parameter, the program's own subclasses; not torch's wrapper, fake and lazy classes)."""
+    """``torch.Tensor`` and every subclass defined now whose instances can own storage."""
     return subclasses(_torch().Tensor, excluding=compat.NO_STORAGE)
 
 
@@ -316,21 +300,16 @@ def dtype_name(key: Any) -> str:
 
 
 def owned_storage(tensor: Any) -> tuple[Any, int]:
-    """The tensor's untyped storage and its data pointer (0 for a tensor that owns no
-    memory: meta, fake, empty); raises as torch does for tensors without a storage."""
+    """The tensor's untyped storage and data pointer (0 when it owns no memory)."""
     storage = tensor.untyped_storage()
     return storage, storage.data_ptr()
 
 
 def census_rows(tensors: list[Any], names: dict[int, str]
                 ) -> tuple[list[TensorRow], list[Any]]:
-    """The census rows of ``tensors`` (those that own memory) and their storage keys.
-
-    ``nbytes`` of a row is its storage's bytes (a sparse or nested tensor's: its parts', see
-    :func:`_parts`); ``names`` maps ids to parameter names. Tensors that own no memory
-    (meta, fake, empty and lazy ones) are left out, and so are those of a program's subclass
-    that fails when read (whatever it raises).
-    """
+    """The census rows of the ``tensors`` that own memory (``nbytes``: the storage's, or the
+    parts' for sparse and nested ones), and their storage keys; ``names``: ids to parameter
+    names. Tensors of a subclass that fails when read are left out."""
     known = _names
     rows: list[TensorRow] = []
     keys: list[Any] = []
@@ -371,10 +350,8 @@ def census_rows(tensors: list[Any], names: dict[int, str]
 
 
 def _parts(tensor: Any) -> list[tuple[int, int]]:
-    """``(storage pointer, bytes)`` of each part of a tensor whose memory lies in tensors of
-    its own (a plain read of its storage or shape raises): sparse COO (indices, values), the
-    compressed layouts (CSR, CSC, BSR, BSC: compressed and plain indices, values) and nested
-    tensors of the strided layout (one buffer for every component). Empty for others."""
+    """``(storage pointer, bytes)`` of each part of a sparse (COO, CSR, CSC, BSR, BSC) or strided
+    nested tensor; empty for others."""
     torch = _torch()
     layout = tensor.layout
     tensors: tuple[Any, ...]
@@ -394,11 +371,9 @@ def _parts(tensor: Any) -> list[tuple[int, int]]:
 
 def _count_parts(rows: list[TensorRow], keys: list[Any],
                  composites: list[tuple[int, list[tuple[Any, int]]]]) -> None:
-    """Count each part's storage on the sparse or nested tensor that owns it (the first, where
-    two share one: a CSR tensor made from a COO one shares its column indices), and nothing on
-    the plain tensors over those parts (torch keeps a part's Python object alive once it was
-    read, ``values()`` or a view of it), so that a leak is named by the tensor the program
-    holds."""
+    """Count each part's storage on the sparse or nested tensor owning it (the first where two
+    share one), not on the plain tensors over those parts, so a leak is named by what the
+    program holds."""
     owned: set[Any] = set()
     for index, parts in composites:
         total = 0
@@ -454,8 +429,7 @@ def cuda_initialised() -> bool:
 
 
 def memory_fraction(index: int) -> float:  # pragma: gpu
-    """The current per-process memory fraction of a CUDA device (1.0 where torch cannot
-    tell)."""
+    """The per-process memory fraction of a CUDA device (1.0 where torch cannot tell)."""
     getter = getattr(_torch().cuda, "get_per_process_memory_fraction", None)
     try:
         return float(getter(index)) if getter is not None else 1.0
@@ -474,9 +448,8 @@ def cuda_total(index: int) -> int:  # pragma: gpu
 
 
 def available_cuda_device() -> Optional[str]:
-    """``"cuda:N"`` when torch is imported and sees a GPU, else None; never initialises CUDA.
-
-    N is the current device once CUDA is initialised, else 0 (where CUDA will start).
+    """``"cuda:N"`` (the current device, else 0) when torch sees a GPU, else ``None``; never
+    initialises CUDA.
 
     >>> available_cuda_device() is None or available_cuda_device().startswith("cuda:")
     True
@@ -488,11 +461,7 @@ def available_cuda_device() -> Optional[str]:
 
 
 def cuda_device_count() -> int:
-    """How many CUDA GPUs torch sees (0 without torch or CUDA); never initialises CUDA.
-
-    >>> cuda_device_count() >= 0
-    True
-    """
+    """How many CUDA GPUs torch sees (0 without torch or CUDA); never initialises CUDA."""
     try:
         torch = _torch()
     except ImportError:
@@ -525,17 +494,11 @@ def version() -> str:
 
 # -- budgets --------------------------------------------------------------------------------------
 def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:  # pragma: gpu
-    """What CUDA device ``index`` can still give this process, as ``(kind, limit, used)`` in
-    bytes, or ``None`` when this process has not initialised CUDA (looking never does) or
-    does not use that GPU (neither the current device nor holding memory there: asking the
-    driver would create a context, hundreds of MiB).
-
-    Free memory counts the driver's free bytes plus the caching allocator's reserved but
-    unused ones (it hands those out first). Under a per-process memory fraction (what
-    :func:`memguard.memory_limit` sets) the cap is ``fraction * total`` of allocator memory,
-    and ``kind`` is ``"CUDA memory fraction"``; else ``"CUDA device"`` with ``limit`` the
-    device's total. ``used = limit - available`` either way.
-    """
+    """``(kind, limit, used)`` in bytes: what CUDA device ``index`` can still give; ``None``
+    when CUDA is not initialised or this process does not use that GPU (asking would create a
+    context). Free memory is the driver's plus the allocator's reserved but unused bytes.
+    ``kind`` is ``"CUDA memory fraction"`` under a per-process fraction (limit
+    ``fraction * total``), else ``"CUDA device"``."""
     if not cuda_initialised():
         return None
     torch = _torch()
@@ -557,8 +520,7 @@ def cuda_budget(index: int) -> Optional[tuple[str, int, int]]:  # pragma: gpu
 
 
 def cuda_identity(index: int) -> Optional[str]:  # pragma: gpu
-    """``"NVIDIA H100 80GB HBM3 (79.1 GiB)"``-like: the name and total memory of CUDA device
-    ``index``, or ``None`` when CUDA is not initialised."""
+    """``"NVIDIA H100 80GB HBM3 (79.1 GiB)"``-like, or ``None`` when CUDA is not initialised."""
     if not cuda_initialised():
         return None
     torch = _torch()
