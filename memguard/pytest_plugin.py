@@ -1,39 +1,12 @@
 """memguard's pytest plugin: fail tests that leak memory, and a fixture to measure a test.
 
-Installed with memguard (entry point ``pytest11``); ``-p no:memguard`` turns it off.
-
-- ``@pytest.mark.memguard(max_leak="1MiB", max_peak=None, devices=None)``: run the test in a
-  :func:`memguard.memory_scope` that tracks tensors; fail it when a device retained more than
-  ``max_leak`` after cleanup, or rose more than ``max_peak`` above its level at the start.
-  Without ``max_leak`` the limit is the global one, else 1 MiB; ``max_leak=None`` checks no
-  leak. A marker with bad arguments fails its test at setup, in one line.
-- ``--memguard-max-leak=SIZE`` or ``memguard_max_leak = SIZE`` in the ini file (``pytest.ini``,
-  ``setup.cfg``, ``tox.ini``, ``pyproject.toml``): the same check, with that limit, for every
-  test. The command line overrides the ini file; ``none`` sets no global limit.
-- the ``memguard_scope`` fixture: the test's own scope; ``memguard_scope.close()`` ends it
-  early so that the test can assert on ``retained`` and ``peak`` itself. The plugin's verdict
-  does not rest on it: it is taken when the test returns, once its locals are gone.
-
-A failure is one line per device over its limit, with what keeps the memory in the report's
-``memguard`` section, and a line at the end of the session lists the tests that exceeded their
-limits.
-
-Each test is judged on its own memory. Retention is judged on what the allocators hand out
-(glibc's in-use bytes on the host, ``allocated`` on GPUs) and, for a growth under 64 KiB
-(what those figures move by when nothing is kept), on the tensors the test created and left
-alive: the verdict of :func:`memguard.memory_scope` with the same ``max_leak``, taken by one.
-Before a guarded test's scope opens, what earlier tests left to be freed (the traceback of a
-failed or skipped test, ``sys.last_value``, garbage in reference cycles) is freed, so that it
-cannot cancel a leak out. State that only a process's first training step creates is never
-charged to a test: before the first guarded test of a process the plugin runs a warm-up (one
-tiny forward, backward and AdamW step with torch, when the program imported it, and one
-throwaway scope), and a test during which torch or TensorFlow is imported for the first time
-in the process is not judged for leaks (its peak still is). Library caches that live inside
-the in-use bytes are turned off for the session where the plugin can: MKL's buffer cache
-(``MKL_DISABLE_FAST_MM=1``, set before torch is imported unless the environment sets it),
-which would otherwise charge the first linear algebra of a size with its buffers (4 to 18 MiB
-measured for ``torch.linalg`` calls on matrices of 64 to 512 rows).
-"""
+Installed with memguard (entry point ``pytest11``); ``-p no:memguard`` turns it off. A
+guarded test (the ``memguard`` marker, or a global ``--memguard-max-leak``) runs in a
+:func:`memguard.memory_scope` that tracks tensors and fails when a device retained more
+than ``max_leak`` after cleanup, or rose more than ``max_peak``; the failure is one line
+per device, with what keeps the memory in the report's ``memguard`` section. Each test is
+judged on its own memory: what earlier tests left is freed first, one-time state is
+created by a warm-up, and MKL's buffer cache is turned off (see the leaks guide)."""
 
 from __future__ import annotations
 
@@ -76,8 +49,7 @@ _warmed: set[str] = set()
 
 
 def _warm_up() -> None:
-    """Create, once per process, what a first step creates: torch's one tiny training step
-    (when torch is imported) and memguard's own first scope."""
+    """Create, once per process, what a first step creates (a tiny torch training step, a scope)."""
     if "scope" not in _warmed:
         _warmed.add("scope")
         with MemoryScope("memguard warm-up", track_tensors=True) as scope:
@@ -93,10 +65,8 @@ def _warm_up() -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
                                   args: list[str]) -> None:
-    """Turn MKL's buffer cache off before the conftest files or the tests import torch: the
-    cache holds buffers sized to the largest linear algebra call so far inside the in-use bytes
-    (12 MiB for a first 64 x 64 solve), which the first test to call it would be charged
-    with. A value already in the environment is left as it is."""
+    """Turn MKL's buffer cache off before anything imports torch (it keeps buffers inside the
+    in-use bytes, charged to the first test to call linear algebra); an existing value stays."""
     if MKL_CACHE in os.environ:
         return
     if "torch" in sys.modules:
@@ -115,8 +85,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _global_max_leak(config: pytest.Config) -> Optional[int]:
-    """The limit for every test: the command line's, else the ini file's, else None. An
-    unreadable size is a usage error that names where it came from."""
+    """The limit for every test: the command line's, else the ini file's, else ``None``."""
     value = config.getoption("--memguard-max-leak")
     where = "--memguard-max-leak"
     if value is None:
@@ -153,11 +122,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def _limits(item: pytest.Item) -> Optional[Limits]:
-    """The item's :class:`Limits`, or None when it is not guarded.
-
-    A marker without ``max_leak`` takes the global limit, else 1 MiB. A bad marker fails
-    the test at setup with one line naming it (as pytest does for a bad ``skipif``).
-    """
+    """The item's :class:`Limits`, or ``None`` when it is not guarded; a bad marker fails the
+    test at setup with one line."""
     if _LIMITS in item.stash:
         return item.stash[_LIMITS]
     marker = item.get_closest_marker("memguard")
@@ -197,8 +163,8 @@ def _scope_for(item: pytest.Item) -> MemoryScope:
 
 @pytest.fixture
 def memguard_scope(request: pytest.FixtureRequest) -> MemoryScope:
-    """The memory scope of the running test: it opens when the test body starts and closes
-    when the body returns, unless the test closes it earlier to assert on it.
+    """The memory scope of the running test: open while the body runs, unless the test closes
+    it earlier to assert on it.
 
     Args:
         request: pytest's request for the running test.
@@ -211,8 +177,7 @@ def memguard_scope(request: pytest.FixtureRequest) -> MemoryScope:
         def test_epoch(memguard_scope):
             run_epoch()
             memguard_scope.close()
-            assert memguard_scope.retained["host"] < 2**20
-    """
+            assert memguard_scope.retained["host"] < 2**20"""
     return _scope_for(request.node)
 
 
@@ -280,9 +245,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
 
 
 class _Session:
-    """The plugin's record of a session: what earlier tests may have left to be freed, and
-    the tests that exceeded their limits (gathered from the reports, so on the controller too
-    under pytest-xdist) for one line at the end of the session."""
+    """The plugin's record of a session: what earlier tests may have left to be freed, and the
+    tests over their limits (from the reports, so under xdist too) for the session's last line."""
 
     def __init__(self) -> None:
         self.exceeded: list[str] = []
@@ -290,13 +254,9 @@ class _Session:
         self.unsettled = True  # a test since then failed or was skipped in its body
 
     def settle(self, limit: Optional[int]) -> None:
-        """Free what earlier tests left to be freed before a guarded test's scope opens, so
-        that it cannot cancel a leak out: the last failure's ``sys.last_*`` (pytest drops
-        them only inside the next test's call) and garbage in reference cycles, such as the
-        traceback of a failed or skipped test and the frames it holds. The full collection
-        (the dear part: tens to hundreds of ms) runs only when a test since the last guarded
-        one did not pass, or when the in-use bytes grew since then by more than the test's
-        ``limit`` or the backend's hold tolerance."""
+        """Free what earlier tests left (``sys.last_*``, garbage in cycles) before a guarded test's
+        scope opens, so it cannot cancel a leak out. The full collection runs only after a test
+        that did not pass, or when the in-use bytes grew by more than the tolerance."""
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):
                 delattr(sys, name)
@@ -340,10 +300,8 @@ class _Session:
 
 def _failure(item: pytest.Item, scope: MemoryScope, limits: Limits, over: dict[str, int]
              ) -> tuple[str, str]:
-    """The short failure text, a line per offending device (``""`` when within limits), and
-    the report section's text: per device what was retained and how high it rose, then what
-    keeps the leaked tensors, in :func:`memguard.memory_scope`'s words (three groups at
-    most). ``over`` is the scope's own ``max_leak`` verdict: the devices it found over."""
+    """The short failure text (a line per device over its limit; ``""`` within limits) and the
+    report section's text; ``over``: the devices the scope's own verdict found over."""
     max_leak, max_peak = limits.max_leak, limits.max_peak
     lines, measured = [], []
     leaked = False
