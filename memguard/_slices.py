@@ -1,36 +1,15 @@
-"""One way to measure a batch and cut it into slices along its first dimension.
+"""One way to measure a batch and cut it into slices along its first dimension (the rules, as
+users see them, are in the recovery internals guide).
 
-A batch is whatever a ``DataLoader`` (or a hand-written loop) yields, and its parts fall in
-three kinds:
+Parts are **per-sample** (cut: an array-like with a ``shape``, or a list of plain items),
+**containers** (rebuilt around their cut parts, type kept: Mappings, named tuples,
+dataclasses, tuples and lists of batch parts) or **shared** (handed to every slice:
+scalars, ``None``, other objects, record tuples such as ``torch.Size``). Per-sample parts
+must agree in length. A list of two or more tensors of one shape and dtype reads both as
+fields and as one tensor per sample: the parts beside it decide, and where nothing does,
+cutting it is a ``ValueError`` rather than a guess. A ``PackedSequence`` cannot be cut.
 
-- **per-sample** parts are cut: an array-like with at least one dimension (a torch or
-  TensorFlow tensor, a numpy array: anything with a ``shape`` and slicing), and a ``list``
-  (or a plain ``tuple``) of items that are not themselves batch parts (strings, numbers, file
-  names: one item per sample);
-- **containers** are rebuilt around their cut parts, keeping their type: any ``Mapping``
-  (``dict``, ``OrderedDict``, a Hugging Face ``BatchEncoding``), a named tuple, a dataclass
-  instance (rebuilt with ``dataclasses.replace``, its non-per-sample fields kept), and a plain
-  ``tuple``/``list`` that holds batch parts (``(x, y)``, ``[ids, mask, labels]``, the list
-  ``DataLoader``'s default collation makes of tuple samples);
-- **shared** parts are handed to every slice as they are: scalars, 0-dim tensors, ``None``,
-  strings, other objects, and tuple subclasses that are records (a ``torch.Size``).
-
-Every per-sample part must have the same length. Where a list could be read both ways, the
-rule is: a ``list`` whose items are all Mappings (``collate_fn=lambda x: x``), all lists of
-plain items (token ids), or batch parts of different lengths (ragged sequences) is one item
-per sample; a ``list`` of tensors or arrays of one length but not all of one shape and dtype
-(``[x, y]`` of shapes ``[B, D]`` and ``[B]``) is a container of fields, as collation makes
-them. A ``list`` of two or more tensors of one shape and dtype reads both ways (collation's
-``[inputs, targets]`` of one shape, or one sequence per sample that happen to share a
-length): the other per-sample parts beside it decide (the reading whose length they have);
-where nothing decides, the batch runs whole as it is, and cutting it is a ``ValueError``
-saying how to make it plain (a ``tuple`` of fields, or one dict per sample), never a guess
-that the lengths of one batch could flip. A ``tuple`` holding batch parts is always a
-container, whose parts must agree. A ``torch.nn.utils.rnn.PackedSequence`` cannot be cut
-(its data interleaves the sequences): cutting one is a ``TypeError``.
-
-This module never imports a framework: parts are recognised by their ``shape``.
-"""
+No framework is imported: parts are recognised by their ``shape``."""
 
 from __future__ import annotations
 
@@ -110,10 +89,8 @@ class Plan:
         self.where: Where = "batch"  # for the messages of ``alt`` and ``UNCUT``
 
     def fits(self, value: Any) -> bool:
-        """Whether this plan, made for an array-like or a flat container (:attr:`flat`), is
-        also ``value``'s: an array-like of the same length, or a container of the same type
-        and keys holding array-likes of that length (a training loop's next batch). Checked
-        without making objects; ``False`` is no verdict (make the plan)."""
+        """Whether this plan (of an array-like or a :attr:`flat` container) is also ``value``'s,
+        checked without making objects; ``False`` is no verdict."""
         if self.kind == SAMPLES:
             return _shape_length(value) == self.length
         flat: Any = self.flat
@@ -217,8 +194,7 @@ class Plan:
 
 
 def _flat(plan: Plan, value: Any) -> Plan:
-    """``plan`` (of the container ``value``), marked :attr:`~Plan.flat` where every part is an
-    array-like."""
+    """``plan`` marked :attr:`~Plan.flat` where every part of ``value`` is an array-like."""
     if plan.length is not None and all(p.kind == SAMPLES for p in plan.parts.values()):
         plan.flat = type(value)
     return plan
@@ -272,9 +248,8 @@ def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
 
 
 def _settle(parts: dict[Any, Plan]) -> None:
-    """Read each list of one-shaped tensors among ``parts`` (``alt``) as the parts whose
-    reading is plain agree: fields where their length is its items' length, one tensor per
-    sample where it is the number of its items."""
+    """Read each list of one-shaped tensors among ``parts`` (``alt``) as the plain parts agree:
+    fields where their length is its items', one tensor per sample where it is its item count."""
     plain = {p.length for p in parts.values() if p.length is not None and p.alt is None}
     if len(plain) != 1:
         return
@@ -289,8 +264,7 @@ def _settle(parts: dict[Any, Plan]) -> None:
 
 
 def _rebuild_record(original: Any, items: dict) -> Any:
-    """A copy of the dataclass instance ``original`` holding ``items`` (fields by name):
-    ``dataclasses.replace`` for the fields ``__init__`` takes, the others set on the copy."""
+    """A copy of the dataclass instance ``original`` holding ``items`` (by field name)."""
     init = {f.name for f in dataclasses.fields(original) if f.init}
     try:
         new = dataclasses.replace(original, **{k: v for k, v in items.items() if k in init})
@@ -349,9 +323,7 @@ def _short(value: Any) -> str:
 
 
 def batch_elements(batch: Any, depth: int = 0) -> int:
-    """The elements of the array-likes in ``batch`` (tensors, arrays; inside tuples, lists,
-    mappings and dataclass instances): what the batch costs in memory, roughly, where a
-    padded sequence is as long as its padding.
+    """The elements of the batch's array-likes: roughly what it costs in memory (padding counts).
 
     >>> batch_elements({"x": [[1, 2], [3, 4]], "ids": ["a", "b"], "lr": 0.1})
     0

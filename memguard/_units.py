@@ -25,15 +25,10 @@ MAX_SIZE = 2**63 - 1
 def parse_size(value: Size, name: str = "size") -> int:
     """Return ``value`` in bytes.
 
-    ``value`` is a non-negative int (bytes; any integral number, ``numpy.int64`` too) or a
-    string with a unit: binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``, or the short
-    ``K``/``M``/``G``/``T``), decimal units (``kB``, ``MB``, ``GB``, ``TB``) or ``B``. Units
-    are case-insensitive. A wrong type is a ``TypeError``, an unreadable, negative or
-    impossibly large value (over ``MAX_SIZE``) a ``ValueError``; both name ``name`` and
-    the value.
-
     Args:
-        value: bytes (an int) or a string such as ``"512MiB"`` or ``"1.5GB"``.
+        value: bytes (an integral number) or a string with a case-insensitive unit: binary
+            (``KiB``, ``MiB``, ``GiB``, ``TiB``, or ``K``/``M``/``G``/``T``), decimal (``kB``,
+            ``MB``, ``GB``, ``TB``) or ``B``, such as ``"512MiB"`` or ``"1.5GB"``.
         name: the parameter's name, quoted by the error messages. Default ``"size"``.
 
     Returns:
@@ -41,7 +36,7 @@ def parse_size(value: Size, name: str = "size") -> int:
 
     Raises:
         TypeError: a value that is neither an int nor a string.
-        ValueError: an unreadable, negative or impossibly large value.
+        ValueError: an unreadable, negative or impossibly large value (over ``MAX_SIZE``).
 
     >>> parse_size("1.5GiB")
     1610612736
@@ -49,7 +44,6 @@ def parse_size(value: Size, name: str = "size") -> int:
     64000000
     >>> parse_size("9" * 400, "max_leak")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ...
     ValueError: max_leak: '999...999' is more bytes than any memory holds (at most ...
     """
     whole_bytes = None if isinstance(value, str) else integral(value)
@@ -86,8 +80,8 @@ def parse_optional_size(value: Size | None, name: str) -> int | None:
 
 
 def binary_unit(unit: str) -> int:
-    """Bytes in one ``unit`` as the frameworks' messages mean it: binary, whatever the
-    spelling (MPS writes ``MB`` for MiB); ``KeyError`` for a unit that is not one.
+    """Bytes in one ``unit`` as the frameworks' messages mean it: binary whatever the spelling
+    (MPS writes ``MB`` for MiB); ``KeyError`` for an unknown unit.
 
     >>> binary_unit("MiB"), binary_unit("MB"), binary_unit("bytes")
     (1048576, 1048576, 1)
@@ -98,25 +92,18 @@ def binary_unit(unit: str) -> int:
 
 
 def format_bytes(n: int | None, signed: bool = False) -> str:
-    """Format a byte count in binary units: ``format_bytes(41943040) == '40.0 MiB'``.
-
-    ``None`` formats as ``'-'``; with ``signed=True`` positive values get a ``+``.
+    """Format a byte count in binary units.
 
     Args:
-        n: a count of bytes, or ``None``.
+        n: a count of bytes, or ``None`` (formatted as ``'-'``).
         signed: put a ``+`` before positive values (for differences). Default ``False``.
 
     Returns:
         The count in the largest binary unit that keeps it at least 1 (``"1.5 GiB"``).
 
     >>> from memguard import format_bytes
-    >>> format_bytes(41943040)
-    '40.0 MiB'
-    >>> format_bytes(2**20, signed=True)
-    '+1.0 MiB'
-    >>> format_bytes(None)
-    '-'
-
+    >>> format_bytes(41943040), format_bytes(2**20, signed=True), format_bytes(None)
+    ('40.0 MiB', '+1.0 MiB', '-')
     """
     if n is None:
         return "-"
@@ -130,8 +117,8 @@ def format_bytes(n: int | None, signed: bool = False) -> str:
 
 
 def format_table(rows: Sequence[Sequence[str]], *, left: int = 1) -> str:
-    """Rows of cells as aligned text columns, two spaces apart: the first ``left`` columns
-    flush left (names), the others flush right (figures); trailing spaces dropped.
+    """Rows of cells as aligned columns two spaces apart: the first ``left`` flush left, the
+    others flush right.
 
     >>> print(format_table([("device", "used"), ("host", "1.0 MiB"), ("cuda:0", "12 B")]))
     device     used
