@@ -1,9 +1,5 @@
-"""``record_history``: capture what filled the GPU, as a PyTorch memory snapshot.
-
-Around PyTorch's ``torch.cuda.memory._record_memory_history``: while recording, every CUDA
-allocation is kept with its stack trace; the snapshot it dumps opens in PyTorch's memory_viz
-page (https://pytorch.org/memory_viz) and shows which code held what when memory ran out.
-"""
+"""``record_history``: capture what filled the GPU as a PyTorch memory snapshot (around
+``torch.cuda.memory._record_memory_history``), for https://pytorch.org/memory_viz."""
 
 from __future__ import annotations
 
@@ -69,12 +65,10 @@ def dump(path: str) -> Optional[str]:  # pragma: gpu
 class RecordHistory:
     """The object :func:`record_history` returns: a context manager and a decorator.
 
-    ``dumped`` is the path of the snapshot the last block wrote (``None`` when it wrote none:
-    no out-of-memory with ``on_oom_only``, or no CUDA to record).
-
     Attributes:
         path: the file a snapshot is written to.
-        dumped: the path the last block wrote, or ``None``.
+        dumped: the path the last block wrote, or ``None`` (no out-of-memory with
+            ``on_oom_only``, or no CUDA).
 
     >>> import memguard
     >>> recorder = memguard.record_history("oom.pickle", max_entries=10_000)
@@ -118,10 +112,8 @@ class RecordHistory:
 
 def record_history(path: str = "memory_snapshot.pickle", *, max_entries: int = 100_000,
                    on_oom_only: bool = True) -> RecordHistory:
-    """Record CUDA allocations inside a block and dump a snapshot when an out-of-memory
-    passes through it (always, on exit, with ``on_oom_only=False``); recording is turned off
-    again on exit. Without CUDA it warns once and does nothing. ``dumped`` is the path
-    written, if any. Open the file at https://pytorch.org/memory_viz.
+    """Record CUDA allocations inside a block and dump a snapshot when an out-of-memory passes
+    through it; recording stops on exit. Without CUDA it warns once and does nothing.
 
     Args:
         path: the file the snapshot is written to (a pickle that memory_viz opens).
@@ -132,8 +124,7 @@ def record_history(path: str = "memory_snapshot.pickle", *, max_entries: int = 1
             exit. Default ``True``.
 
     Returns:
-        A :class:`RecordHistory`: a context manager and a decorator; ``dumped`` is the path
-        written, if any.
+        A :class:`RecordHistory`; its ``dumped`` is the path written, if any.
 
     Raises:
         ValueError: a ``max_entries`` that is not a positive int.

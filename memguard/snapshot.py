@@ -22,21 +22,15 @@ def _sub(a: Optional[int], b: Optional[int]) -> Optional[int]:
 class MemorySnapshot:
     """Memory of several devices at one moment (or, with ``delta=True``, a difference).
 
-    ``devices`` maps each device name to its :class:`DeviceMemory`; ``time`` is
-    ``time.time()`` when it was taken; ``budgets`` maps each device that has one to the
-    budget that binds there (:class:`memguard.backends.budget.Budget`: a ``memory_limit``, a
-    soft ``RLIMIT_AS``, a cgroup's ``memory.max``, physical memory; CUDA's free plus
-    reserved-but-unused memory), with its limit, what of it is used and what is available.
-    ``snap["host"]`` reads one device, ``later - earlier`` gives a delta of the same shape
-    (devices present in both; no budgets), and ``str(snap)`` an aligned table followed by
-    one line per budget. Snapshots pickle and deep-copy (equal to the original), so they
-    cross process boundaries inside results and errors.
+    ``snap["host"]`` reads one device, ``later - earlier`` gives a delta (devices in both, no
+    budgets), ``str(snap)`` an aligned table and one line per budget. Snapshots pickle.
 
     Attributes:
         devices: device name -> :class:`DeviceMemory`.
         time: ``time.time()`` when it was taken.
         delta: whether it is a difference of two snapshots.
-        budgets: device name -> the :class:`Budget` that binds there (a mapping).
+        budgets: device name -> the :class:`Budget` that binds there (a ``memory_limit``,
+            ``RLIMIT_AS``, a cgroup's ``memory.max``, physical or CUDA memory).
 
     >>> import memguard
     >>> before = memguard.snapshot()
@@ -101,15 +95,14 @@ class MemorySnapshot:
 
 
 def snapshot(devices: Devices = None) -> MemorySnapshot:
-    """Read the memory of ``devices`` (a name, a list of names, or every active device).
+    """Read the memory of ``devices``.
 
     Args:
         devices: a device name (``"host"``, ``"cuda:0"``, ``"GPU:0"``), a list of names, or
             ``None`` for every active device.
 
     Returns:
-        A :class:`MemorySnapshot`: each device's :class:`DeviceMemory` and, in ``budgets``, the
-        budget that binds each device.
+        A :class:`MemorySnapshot`, with the budget that binds each device.
 
     Raises:
         ValueError: an unknown device name.
@@ -127,10 +120,8 @@ def snapshot(devices: Devices = None) -> MemorySnapshot:
 
 def compose(pairs: list[tuple[Backend, str]], readings: Mapping[str, Reading],
             peaks: Mapping[str, Optional[int]], when: float) -> MemorySnapshot:
-    """The snapshot :func:`snapshot` would take of ``pairs`` now, where each device's
-    ``readings`` (``read_fast``) and ``peaks`` (``read_peak``) were just taken and nothing
-    ran since (a scope's entry and its exit): each backend reads only what they lack
-    (``Backend.read_with``); ``when`` is the ``time.time()`` of those readings."""
+    """The snapshot :func:`snapshot` would take now, from ``readings`` and ``peaks`` just taken
+    (``Backend.read_with`` reads only the rest); ``when``: their ``time.time()``."""
     read = {d: b.read_with(d, readings.get(d, UNKNOWN), peaks.get(d)) for b, d in pairs}
     return MemorySnapshot(read, when, budgets=_budgets(read))
 

@@ -1,11 +1,6 @@
-"""TensorFlow GPUs, through ``tf.config.experimental.get_memory_info``.
-
-TensorFlow's allocator never hands GPU memory back to the driver inside a process: emptying
-its cache is impossible, and freed tensors only return to TensorFlow's own pool. Devices are
-listed only once TensorFlow has initialised its runtime (listing them earlier would initialise
-it and claim the GPU). CPU tensors live in the host process and are measured by the host
-backend.
-"""
+"""TensorFlow GPUs, through ``tf.config.experimental.get_memory_info``. TensorFlow never hands
+GPU memory back inside a process (no cache to empty); devices are listed only once its
+runtime started (listing would start it). CPU tensors belong to the host backend."""
 
 from __future__ import annotations
 
@@ -96,14 +91,9 @@ class TensorFlowBackend(Backend):
 
 
 def cpu_pool_free() -> int:
-    """Bytes TensorFlow's CPU allocator holds free in its pool: its high-water mark less what
-    is in use (``get_memory_info("CPU:0")``), 0 before TensorFlow's runtime started or where
-    it cannot say. The pool keeps what it once held mapped, so under an address-space budget
-    these bytes are taken yet free for TensorFlow's next tensors; a high-water mark reset by
-    ``reset_memory_stats("CPU:0")`` makes this an underestimate, never an overestimate.
-
-    Returns:
-        The free bytes of the pool, or 0.
+    """Bytes TensorFlow's CPU pool holds free (high-water mark less in use; 0 when unknown):
+    taken under an address-space budget, yet free for its next tensors. An underestimate
+    after ``reset_memory_stats``.
 
     >>> cpu_pool_free() >= 0
     True
@@ -123,18 +113,10 @@ _CPU_STATS: dict[str, bool] = {}
 
 
 def cpu_pool_in_use() -> int:
-    """Bytes TensorFlow's CPU allocator has handed out to live tensors from its own pool
-    (``get_memory_info("CPU:0")["current"]``); 0 before TensorFlow's runtime started or where
-    its CPU allocator keeps no statistics.
-
-    With oneDNN on (TensorFlow's default on x86) CPU tensors are cut from blocks the pool took
-    from malloc once and keeps: a tensor kept or freed inside them moves neither the resident
-    set nor ``mallinfo2``, only this figure (measured: a block keeping 4 MiB moved
-    ``mallinfo2`` by 16-960 bytes, this figure by 4 MiB). With ``TF_ENABLE_ONEDNN_OPTS=0`` the
-    allocator is malloc itself, keeps no statistics, and this is 0. About 1 us a call.
-
-    Returns:
-        The pool's in-use bytes, or 0.
+    """Bytes TensorFlow's CPU pool has handed out (``get_memory_info("CPU:0")["current"]``); 0
+    before its runtime started or without statistics (``TF_ENABLE_ONEDNN_OPTS=0``). With
+    oneDNN these tensors move neither the resident set nor ``mallinfo2`` (see the development
+    page's measured facts).
 
     >>> cpu_pool_in_use() >= 0
     True
@@ -167,8 +149,7 @@ def clear_keras_session() -> bool:
 
 # -- tensors ------------------------------------------------------------------------------------
 def tensor_types() -> set[type]:
-    """TensorFlow's eager tensor and variable classes whose instances can own memory (graph
-    tensors hold none)."""
+    """TensorFlow's eager tensor and variable classes (graph tensors own no memory)."""
     tf = _tf()
     from tensorflow.python.framework import ops
 
@@ -231,8 +212,7 @@ def write_scalars(writer: Any, rows: list[tuple[str, int, float]]) -> None:
 
 
 def set_memory_growth(enable: bool) -> int:
-    """Set memory growth on every visible GPU; the number of GPUs. Raises RuntimeError once
-    the runtime has started."""
+    """Set memory growth on every visible GPU; their number (``RuntimeError`` once started)."""
     tf = _tf()
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:  # pragma: gpu
@@ -263,8 +243,7 @@ DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-r
 
 
 def installed_version() -> Optional[str]:
-    """The installed TensorFlow's version from its package metadata, without importing it
-    (``None`` when no known distribution is installed)."""
+    """TensorFlow's version from package metadata, without importing it (``None``: none)."""
     from importlib import metadata
 
     for name in DISTRIBUTIONS:
@@ -276,9 +255,8 @@ def installed_version() -> Optional[str]:
 
 
 def gpus_possible() -> bool:
-    """Whether TensorFlow could see a GPU here: an NVIDIA driver (``/proc/driver/nvidia``),
-    ROCm (``/dev/kfd``) or macOS (Metal). Where none is, listing TensorFlow's GPUs needs no
-    import: the list is empty.
+    """Whether TensorFlow could see a GPU here (an NVIDIA driver, ROCm, macOS); if not, its GPU
+    list is empty without an import.
 
     >>> isinstance(gpus_possible(), bool)
     True
@@ -288,15 +266,9 @@ def gpus_possible() -> bool:
 
 
 def import_quietly() -> Any:
-    """Import TensorFlow (once: later calls return the module) without its start-up lines on
-    the terminal: two of its libraries each print oneDNN's banner to the process's stderr
-    before TensorFlow's logging exists, so ``TF_CPP_MIN_LOG_LEVEL`` alone does not hide it.
-    Sets ``TF_CPP_MIN_LOG_LEVEL=2`` unless it is set, and points file descriptor 2 at
-    ``/dev/null`` while the libraries load; a Python exception still propagates.
-
-    >>> import_quietly().__name__  # doctest: +SKIP
-    'tensorflow'
-    """
+    """Import TensorFlow once without its start-up banner: ``TF_CPP_MIN_LOG_LEVEL=2`` unless set,
+    and file descriptor 2 pointed at ``/dev/null`` while its libraries load (their oneDNN
+    banner is printed before its logging exists)."""
     if "tensorflow" in sys.modules:
         return sys.modules["tensorflow"]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -1,15 +1,8 @@
-"""Copies of training state (modules, optimizers, schedulers, a ``GradScaler``: anything with
-``state_dict`` / ``load_state_dict``; Keras models and optimizers through
-:mod:`~memguard.backends.steps.keras_state`), taken before an attempt and loaded back before a
-retry.
-
-The copy lives in host memory (each tensor cloned to the CPU) or, with ``restore_to="file"``
-(and with ``"auto"`` when the state is larger than half the host's available memory), in a
-temporary file: the tensors' bytes written one tensor at a time and read back straight into
-a module's own tensors, so no second copy is ever held in host memory. A module's parameter
-gradients are kept too, so a retry starts with the gradients the first attempt started with.
-torch is imported only when a state holds a tensor.
-"""
+"""Copies of training state (anything with ``state_dict`` / ``load_state_dict``; Keras through
+:mod:`~memguard.backends.steps.keras_state`), taken before an attempt and loaded back before
+a retry: in host memory, or with ``restore_to="file"`` (``"auto"``: state over half the
+available host memory) in a temporary file written and read back one tensor at a time, so
+no second copy is held. A module's gradients are kept too."""
 
 from __future__ import annotations
 
@@ -34,17 +27,12 @@ class Restorables(tuple):
 
 
 def check_restorable(objects: Any, to: str = "auto") -> Restorables:
-    """``objects`` (one object, or a tuple or list of them) as a tuple, each checked to have
-    callable ``state_dict`` and ``load_state_dict`` or to be a Keras model or optimizer; else
-    a ``TypeError`` naming the object. ``to`` is where the copy is kept: ``"memory"``,
-    ``"file"`` or ``"auto"``.
+    """``objects`` (one, or a tuple or list) as a :class:`Restorables`, each checked to have
+    ``state_dict`` and ``load_state_dict`` or to be Keras; else a ``TypeError`` naming it.
 
     Args:
         objects: what ``oom_retry(restore=...)`` was given (``None``: nothing).
-        to: ``oom_retry(restore_to=...)``.
-
-    Returns:
-        The objects, with ``to``.
+        to: ``oom_retry(restore_to=...)``: ``"memory"``, ``"file"`` or ``"auto"``.
 
     >>> check_restorable(()), check_restorable((), "file").to
     ((), 'file')
@@ -157,8 +145,7 @@ class _StateFile:
         return _Stored(offset, tuple(t.shape), t.dtype, host.numel() * host.element_size())
 
     def read_into(self, stored: _Stored, target: Any) -> None:
-        """Fill ``target`` (same shape and dtype) with the stored bytes, in place when it is
-        a contiguous CPU tensor, else through one temporary tensor."""
+        """Fill ``target`` with the stored bytes (in place for a contiguous CPU tensor)."""
         import torch
 
         if target.device.type == "cpu" and target.is_contiguous() and _plain(target):
@@ -207,18 +194,15 @@ class SavedState:
 
     @property
     def path(self) -> Optional[str]:
-        """The file the state is kept in (``None``: host memory): the torch objects' file,
-        else the first Keras copy's."""
+        """The file the state is kept in (``None``: host memory)."""
         if self._file is not None:
             return self._file.path
         return next((other.path for other in self._others
                      if getattr(other, "path", None)), None)
 
     def load(self) -> None:
-        """Load every copied state back into its object (a fresh copy for objects that may
-        keep the tensors they are given, as an optimizer does; a module's tensors are
-        overwritten in place). An out-of-memory while loading raises
-        :class:`~memguard.OutOfMemoryError` saying what restoring needed."""
+        """Load every copy back (module tensors overwritten in place, a fresh copy for objects that
+        keep what they are given); an out-of-memory raises :class:`~memguard.OutOfMemoryError`."""
         try:
             self._load()
             for other in self._others:
@@ -305,17 +289,15 @@ def _keras(obj: Any) -> bool:
 
 
 def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> SavedState:
-    """Copy the state of each of ``objects`` (and a module's gradients): to host memory, or
-    straight to a temporary file with ``restore_to="file"``, or with ``"auto"`` when it holds
-    more than half of ``free_host`` bytes of tensors.
+    """Copy the state of each of ``objects`` (and a module's gradients), to host memory or a
+    temporary file (:func:`check_restorable`'s ``to``).
 
     Args:
         objects: the objects (a :class:`Restorables` carries ``to``).
         free_host: the host's available memory in bytes (``None``: unknown).
 
     Returns:
-        The copy, to :meth:`SavedState.load` and :meth:`SavedState.discard`.
-    """
+        The copy, to :meth:`SavedState.load` and :meth:`SavedState.discard`."""
     to = getattr(objects, "to", "auto")
     torch_objects = [o for o in objects if not _keras(o)]
     keras_objects = [o for o in objects if _keras(o)]
