@@ -1,11 +1,6 @@
-"""One way to turn a context-manager factory into a decorator, for every kind of function.
-
-Built on ``wrapt``: the decorated function keeps its signature, name, docstring and
-``__wrapped__``, and binds like the original on classes (methods, classmethods, staticmethods).
-Like a plain function it pickles by reference (its module and qualified name: unpickling
-imports the module and finds the decorated object there, so it can go to a ``multiprocessing``
-spawn child or a ``Pool``) and is its own copy.
-"""
+"""One way to turn a context-manager factory into a decorator for every kind of function,
+built on ``wrapt``: the result keeps the signature, name, docstring and ``__wrapped__``,
+binds like the original, and pickles by reference like a plain function."""
 
 from __future__ import annotations
 
@@ -19,9 +14,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @functools.lru_cache(maxsize=None)
 def _wrapper_classes() -> tuple[type, type]:
-    """``wrapt``'s function wrappers made to pickle and copy as functions and methods do
-    (``wrapt`` is imported on first use, keeping ``import memguard`` light): the wrapper
-    and its bound form."""
+    """``wrapt``'s function wrappers, made to pickle and copy as functions do, and their bound
+    form (``wrapt`` imported on first use)."""
     import wrapt
 
     def copy(self: Any, memo: Any = None) -> Any:
@@ -49,10 +43,8 @@ def _wrapper_classes() -> tuple[type, type]:
 
 def _wrap(func: Any, wrapper: Callable[..., Any], name: str,
           members: Optional[dict[str, Any]] = None) -> Any:
-    """``func`` wrapped, in a wrapper class of its own (``name``) holding ``members``. A
-    plain function is called straight through its wrapper: wrapt's call first looks up the
-    function's ``__self__`` (for a bound method wrapped as such), an ``AttributeError``
-    raised and caught at every call."""
+    """``func`` wrapped in a wrapper class of its own (``name``) holding ``members``; a plain
+    function is called straight through (wrapt's ``__self__`` lookup raises at every call)."""
     members = dict(members or {})
     if isinstance(func, types.FunctionType):
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,10 +68,8 @@ def function_kind(func: Any) -> str:
 
 def guard(func: F, context: Callable[[], ContextManager[Any]], who: str,
           kinds: tuple[str, ...] = ("sync", "async", "generator")) -> F:
-    """Wrap ``func`` so that each call runs inside a fresh ``context()``.
-
-    Coroutines run inside it from their first step to their end; generators from their first
-    ``next()`` until they finish or are closed.
+    """Wrap ``func`` so that each call (a coroutine's whole run, a generator's from its first
+    ``next()`` to its end) runs inside a fresh ``context()``.
 
     >>> import contextlib
     >>> def double(x):
@@ -127,10 +117,8 @@ def _statistic(get: Callable[[], Any], doc: str) -> property:
 def with_statistics(func: Any, wrapper: Callable[..., Any],
                     attributes: dict[str, tuple[Callable[[], Any], str]],
                     reset: Callable[[], None]) -> Any:
-    """``wrapt.FunctionWrapper(func, wrapper)`` whose instances, bound to an object or not,
-    expose each of ``attributes`` (``name: (getter, doc)``) as a read-only property and
-    ``reset()``, as tenacity's retrying functions expose their statistics; it pickles and
-    copies as :func:`guard`'s wrappers do.
+    """``wrapt.FunctionWrapper(func, wrapper)`` exposing each of ``attributes``
+    (``name: (getter, doc)``) as a read-only property, and ``reset()``, bound or not.
 
     >>> calls = []
     >>> def count(wrapped, instance, args, kwargs):

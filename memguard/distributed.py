@@ -1,13 +1,6 @@
-"""Agreement between the ranks of a distributed job at each attempt boundary.
-
-An out-of-memory on one rank must not send that rank alone into a retry: its peers would wait
-in a collective it never reaches, and the job hangs. After every attempt each rank reports
-its status here; if any rank ran out of memory, every rank retries, at the same size.
-
-A collective inside the guarded function that a peer's out-of-memory leaves unmatched cannot
-be rescued by any library: keep collectives out of the guarded code, or, for DDP, probe with
-``find_batch_size`` (each rank on the plain module or under ``no_sync()``) before training.
-"""
+"""Agreement between the ranks of a distributed job at each attempt boundary: if any rank ran
+out of memory, every rank retries at the same size (one rank retrying alone would hang the
+job). Collectives inside the guarded function cannot be rescued: see the distributed guide."""
 
 from __future__ import annotations
 
@@ -33,11 +26,8 @@ def check_sync(sync: object, who: str = "sync") -> Sync:
 
 
 class Agreement:
-    """The ranks' common view of one attempt: the worst status and the smallest size.
-
-    ``sync="auto"`` takes part when a process group of more than one rank is initialised,
-    ``True`` requires one, ``False`` never takes part.
-    """
+    """The ranks' common view of one attempt: the worst status and the smallest size
+    (``sync="auto"``: when more than one rank is initialised)."""
 
     def __init__(self, sync: Sync = "auto") -> None:
         check_sync(sync)
@@ -55,8 +45,7 @@ class Agreement:
         return self._timed(torch_distributed.all_max, values)
 
     def spread(self, values: list[float]) -> list[float]:
-        """Each of ``values``' largest minus smallest value over the ranks (0 when not
-        active)."""
+        """Each of ``values``' largest minus smallest over the ranks (0 when not active)."""
         if not self.active:
             return [0.0] * len(values)
         return self._timed(torch_distributed.all_spread, values)

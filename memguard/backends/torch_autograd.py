@@ -1,13 +1,6 @@
-"""What autograd keeps: the tensors live graphs saved for backward, and a warm-up step.
-
-A ``loss`` kept in a list (not ``loss.item()``) keeps its whole graph alive, and with it every
-tensor the graph saved for backward (activations, inputs). Those tensors have no Python
-referrer: the graph's C++ nodes hold them. :func:`graph_savings` walks the graphs of the live
-tensors (``grad_fn``, then ``next_functions``) and reads each node's saved tensors through its
-``_saved_*`` attributes (:data:`~memguard.backends._torch_compat.SAVED_PREFIX`) and
-``saved_tensors`` (custom ``autograd.Function`` nodes). It returns storage keys and indices,
-never a tensor: the census it serves keeps no strong reference.
-"""
+"""What autograd keeps: the tensors live graphs saved for backward (a ``loss`` kept in a list
+keeps them, with no Python referrer), read through each node's ``_saved_*`` attributes and
+``saved_tensors``; and a warm-up step. Only keys and indices are returned, never tensors."""
 
 from __future__ import annotations
 
@@ -47,8 +40,7 @@ def _saved_of(node: Any, tensor_type: type) -> list[Any]:
 
 
 class Saving(NamedTuple):
-    """A storage an autograd graph saved: its key (device, data pointer), then what the
-    census reports of it."""
+    """A storage a graph saved: its key (device, data pointer), then what the census reports."""
 
     key: tuple[str, int]
     dtype: str
@@ -62,16 +54,10 @@ Root = tuple[str, Any]
 
 def graph_savings(tensors: list[Any], known: set[tuple[str, int]]
                   ) -> tuple[dict[tuple[str, int], int], dict[int, Root], list[tuple[Saving, int]]]:
-    """Which graph keeps each saved storage, for the live ``tensors`` of a census.
-
-    A root is a tensor of ``tensors`` whose ``grad_fn`` no other live graph reaches (the
-    ``loss``); each storage saved in the graph below it (keyed ``(device, data pointer)``, as
-    the census keys storages) maps to the root's ``id``, the first root that reaches it
-    winning. Storages saved by a graph that no tensor of the census owns (``known`` lists those
-    it does) come back as ``(row, root id)`` pairs, to be counted too. Returns ``({key: root
-    id}, {root id: (description, weak reference)}, [(row, root id)])``, all empty when no
-    tensor has a graph.
-    """
+    """Which graph keeps each saved storage, for a census's live ``tensors``: ``({key: root id},
+    {root id: (description, weak reference)}, [(row, root id)])``, a root being a tensor whose
+    ``grad_fn`` no other live graph reaches, the last list the storages no census tensor owns
+    (not in ``known``)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return {}, {}, []
@@ -157,11 +143,9 @@ def _row(tensor: Any) -> Optional[Saving]:
 
 
 def warm_up() -> None:
-    """Run one tiny training step (forward, backward, an AdamW step) on the CPU and on the
-    current CUDA device when CUDA is already initialised, so that the state only a process's
-    first step creates (autograd's engine, the CPU kernels' caches, cuBLAS workspaces) exists
-    before a measured block. Never initialises CUDA, creates no context on another GPU, and
-    leaves the random number generators as they were (a test's seed stays its own)."""
+    """Run one tiny training step (forward, backward, AdamW) on the CPU and on an initialised
+    CUDA device, so one-time state exists before a measured block; never initialises CUDA and
+    leaves the random number generators as they were."""
     torch = sys.modules.get("torch")
     if torch is None:
         return

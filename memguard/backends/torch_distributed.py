@@ -1,9 +1,6 @@
-"""The one collective memguard needs from ``torch.distributed``: a max over ranks.
-
-It runs on a gloo group of memguard's own, created once (collectively, by every rank's first
-call), so it never mixes with the training's NCCL collectives and never allocates on a GPU
-that has just run out of memory, and never meets a collective of the program's own.
-"""
+"""The one collective memguard needs from ``torch.distributed``: a max over ranks, on a gloo
+group of memguard's own (never mixed with the training's collectives, never allocating on
+a GPU that just ran out)."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ _DEFAULT_GROUP: list[Any] = []  # the default group's reader, where torch's reco
 
 
 def _distributed() -> Any:
-    """``torch.distributed`` where torch is imported and has it, else ``None`` (looked up
-    once: :func:`world` runs on every guarded call)."""
+    """``torch.distributed`` where available, else ``None`` (looked up once)."""
     if "torch" not in sys.modules:
         return None
     import torch.distributed as dist
@@ -56,10 +52,9 @@ def _distributed() -> Any:
 
 
 def _side_group() -> Any:
-    """memguard's gloo group, made once per default group, also where the default group is
-    gloo: a program's own collective in the guarded step must never meet memguard's
-    agreement on one group (gloo aborts the process on the mismatch). Its creation connects
-    every rank, so it waits at most :func:`sync_timeout` for peers that never come."""
+    """memguard's gloo group, made once per default group (gloo too: a program's collective
+    meeting memguard's on one group aborts the process); creation waits at most
+    :func:`sync_timeout`."""
     import torch.distributed as dist
 
     default = dist.group.WORLD
@@ -104,13 +99,8 @@ class SyncTimeout(RuntimeError):
 
 
 def all_max(values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over every rank (a CPU tensor, gloo).
-
-    Waits at most :func:`sync_timeout` seconds, then raises :class:`SyncTimeout`: a peer
-    that never arrives (it waits in a collective of its own, or never makes the guarded
-    call) must not hang this rank. The abandoned all-reduce stays pending on the group, so
-    the group is not reusable afterwards: the error is meant to end the job.
-    """
+    """The element-wise maximum of ``values`` over the ranks, waiting at most :func:`sync_timeout`
+    before :class:`SyncTimeout` (the group is unusable after: the error ends the job)."""
     import torch
 
     tensor = torch.tensor(values, dtype=torch.int64)
@@ -130,8 +120,7 @@ def all_spread(values: list[float]) -> list[float]:
 
 
 def _maximise(tensor: Any) -> None:
-    """All-reduce ``tensor`` with MAX on memguard's group, waiting at most
-    :func:`sync_timeout`."""
+    """All-reduce ``tensor`` with MAX on memguard's group, within :func:`sync_timeout`."""
     import torch.distributed as dist
 
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_side_group(), async_op=True)

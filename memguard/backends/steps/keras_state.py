@@ -1,11 +1,6 @@
-"""Copies of Keras state for ``oom_retry(restore=...)``: a model's weights (trainable and not:
-BatchNorm statistics too) and its optimizer's variables (iterations, moments), or a Keras
-optimizer's variables alone. Each variable's value is copied to a numpy array in host memory,
-or written to a temporary file (``restore_to="file"``), and assigned back before a retry.
-
-Classes are told by name (no framework is imported to look); Keras itself is used only
-through the objects given.
-"""
+"""Copies of Keras state for ``oom_retry(restore=...)``: a model's weights and its optimizer's
+variables, or an optimizer's alone, copied to numpy arrays or a temporary file and assigned
+back before a retry. Classes are told by name; no framework is imported."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def is_keras_state(obj: Any) -> bool:
 
 
 def _variables(obj: Any) -> list[Any]:
-    """The variables a retry must find as they were: a model's weights and its compiled
-    optimizer's variables (the optimizer built first, so none appear during an attempt)."""
+    """A model's weights and its compiled optimizer's variables (the optimizer built first)."""
     if is_keras_model(obj):
         weights = list(obj.weights)
         if not weights:
@@ -52,8 +46,7 @@ def _optimizer_variables(optimizer: Any, trainable: Optional[list[Any]]) -> list
 
 
 def nbytes(obj: Any) -> int:
-    """The bytes of the variables :func:`copy_state` would copy of ``obj`` (a variable whose
-    dtype numpy does not know counts 4 bytes an element)."""
+    """The bytes :func:`copy_state` would copy of ``obj`` (4 an element for unknown dtypes)."""
     import math
 
     import numpy as np
@@ -125,10 +118,9 @@ def copy_state(obj: Any, in_file: bool) -> KerasCopy:
     """Copy the variables of the Keras model or optimizer ``obj``.
 
     Args:
-        obj: a Keras model (its weights and its compiled optimizer's variables) or optimizer.
+        obj: a Keras model (its weights and compiled optimizer's variables) or optimizer.
         in_file: write the values to a temporary file instead of holding them in memory.
 
     Returns:
-        The copy: ``load()`` assigns it back, ``discard()`` frees it.
-    """
+        The copy: ``load()`` assigns it back, ``discard()`` frees it."""
     return KerasCopy(obj, in_file)

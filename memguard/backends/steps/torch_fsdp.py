@@ -1,27 +1,14 @@
 """What ``auto_microbatch`` does to a model sharded with FSDP2 (``fully_shard``).
 
-FSDP2 all-gathers a unit's parameters in the unit's forward pre-hook and again in the hook that
-runs before the unit's backward, and reduce-scatters its gradients after the unit's backward.
-A rank that runs out of memory inside a pass stops there; its peers would go on into the next
-all-gather and wait for it until the process group's timeout. So, while a step runs:
-
-- gradient reduction is held back (every parameter group's ``reduce_grads`` off, as
-  ``set_requires_gradient_sync(False)`` sets it): the slices accumulate unsharded gradients
-  locally, and no reduce-scatter runs inside a pass;
-- a check runs before every unit's forward pre-hook (a forward pre-hook put in front of FSDP's)
-  and before every unit's pre-backward hook (a tensor hook on the unit's outputs, registered
-  before FSDP's by a forward hook put in front of FSDP's): the caller exchanges a flag there, the
-  same exchange a rank makes when its pass ends, so a peer's failure is learned at the next
-  check, before any further collective;
-- after a failed pass every root is put back with FSDP's own ``reset_iter_state()`` and the
-  pass's unsharded gradients are dropped;
-- after the last pass succeeded on every rank, the accumulated gradients are reduce-scattered
-  once, by FSDP's own end-of-backward path with reduction switched back on.
-
-This module touches FSDP2's parameter groups (``_fsdp_param_groups``, ``reduce_grads``, each
-parameter's ``_unsharded_param`` and ``unsharded_accumulated_grad``) and its root's
-end-of-backward callback: FSDP2 offers no public call that reduces accumulated gradients.
-"""
+FSDP2 all-gathers a unit's parameters before its forward and its backward, and
+reduce-scatters after its backward: a rank that runs out of memory mid-pass would leave its
+peers waiting in the next all-gather. So, while a step runs: gradient reduction is held
+back (``reduce_grads`` off, as ``set_requires_gradient_sync(False)``); a flag exchange runs
+before every unit's forward pre-hook and pre-backward hook, so a peer's failure is learned
+before any further collective; a failed pass is undone with FSDP's ``reset_iter_state()``;
+after the last pass the accumulated gradients are reduce-scattered once through FSDP's own
+end-of-backward path. FSDP2 has no public call for that last step, hence the private
+attributes used here."""
 
 from __future__ import annotations
 
@@ -60,11 +47,10 @@ Saved = list[tuple[Any, Any, Any]]
 
 
 class Sharding:
-    """FSDP2's state for one ``auto_microbatch`` step on ``model`` (see the module's notes).
+    """FSDP2's state for one ``auto_microbatch`` step on ``model``.
 
     Args:
-        model: the module the step trains, holding at least one ``fully_shard`` module.
-    """
+        model: the module the step trains, holding at least one ``fully_shard`` module."""
 
     def __init__(self, model: Any) -> None:
         self.units = units(model)
@@ -95,9 +81,8 @@ class Sharding:
             group.all_reduce_grads = all_reduce
 
     def reduce(self) -> None:
-        """Reduce-scatter the accumulated unsharded gradients into the sharded parameters'
-        gradients, once, as FSDP's own last backward would (the reduction flags must be back,
-        :meth:`release`). A collective: every rank must call it."""
+        """Reduce-scatter the accumulated gradients once, as FSDP's last backward would (after
+        :meth:`release`). A collective."""
         for state in self._roots():
             # after a backward, every group is idle: the end-of-backward callback runs each
             # group's post-backward, which reduces what the group accumulated
@@ -107,8 +92,7 @@ class Sharding:
         return [s for s in self.states if compat.fsdp_is_root(s)]  # set by lazy init
 
     def reset(self) -> None:
-        """After a pass that raised: every root FSDP module's iteration state reset (its
-        parameters resharded, its trackers cleared), as FSDP's ``reset_iter_state()`` does."""
+        """After a pass that raised: every root's iteration state reset (``reset_iter_state()``)."""
         for state in self._roots():
             compat.fsdp_reset_iter_state(state)
 
@@ -117,8 +101,7 @@ class Sharding:
         return [p for g in self.groups for p in g.fsdp_params]
 
     def stash(self) -> Saved:
-        """Move the unsharded gradients aside (those left by the user's own steps without
-        gradient sync); the parameters are left with none."""
+        """Move the unsharded gradients aside; the parameters are left with none."""
         saved: Saved = []
         for param in self._params():
             unsharded = getattr(param, UNSHARDED, None)
@@ -166,8 +149,7 @@ class Sharding:
 
     # -- check points ----------------------------------------------------------------------
     def watch(self, check: Callable[[], None]) -> None:
-        """Call ``check()`` before each unit's forward pre-hook and before each unit's
-        pre-backward hook (once per unit and forward), until :meth:`unwatch`."""
+        """Call ``check()`` before each unit's forward and pre-backward hooks, until unwatched."""
         def before_forward(module: Any, args: Any) -> None:
             check()
 
