@@ -1,10 +1,6 @@
-"""Locks that a forked child gets back unlocked.
-
-``os.fork()`` copies a lock in whatever state it is in: one held by another thread of the
-parent (a scope's bookkeeping, a cleanup under way) stays held in the child for ever, and the
-child's first memguard call hangs. Every lock memguard holds is a :class:`ForkSafeLock`,
-re-created unlocked in the child (``os.register_at_fork``) before the child runs any code.
-"""
+"""Locks that a forked child gets back unlocked: ``os.fork()`` copies a lock held by another
+thread as held, and the child's first memguard call would hang. Every memguard lock is a
+:class:`ForkSafeLock`, re-created in the child (``os.register_at_fork``)."""
 
 from __future__ import annotations
 

@@ -56,8 +56,7 @@ def _demo_budget(text: str) -> int:
 
 
 def _plot_path(text: str) -> str:
-    """An argparse ``type`` for ``demo --plot``: a place the PNG can be written, checked
-    before the training's seconds rather than after them (empty: no timeline)."""
+    """An argparse ``type`` for ``demo --plot``, checked before training (empty: no timeline)."""
     from .demo import check_plot_path
 
     try:
@@ -104,13 +103,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit code (1 when the reader of its output, such as
-    ``head``, went away: quietly, as other command-line tools do).
-
-    >>> main(["watch", "--count", "1"])  # doctest: +SKIP
-    12:00:00  host used 3.1 GiB free 12.4 GiB
-    0
-    """
+    """Run the command line; the exit code (1, quietly, when the output's reader went away)."""
     args = parser().parse_args(argv)
     try:
         if args.command == "info":

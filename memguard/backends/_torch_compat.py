@@ -1,11 +1,6 @@
-"""Every private torch API memguard uses, in one place, each with the torch version it was
-checked against: where a torch release moves one, this is the module to change.
-
-Nothing here imports torch: what needs torch takes it as an argument and runs once, where its
-caller resolves a type or a record; the rest are attribute readers built in C
-(``operator.attrgetter``, ``methodcaller``), so a site on a per-step path that calls one adds
-no Python frame to the step.
-"""
+"""Every private torch API memguard uses, each with the torch version it was checked against.
+Nothing here imports torch; the readers are C-built (``attrgetter``, ``methodcaller``), so
+a per-step call adds no Python frame."""
 
 from __future__ import annotations
 
@@ -20,17 +15,14 @@ CHECKED_WITH = "2.13.0"
 
 # -- torch.inference_mode (checked with torch 2.13.0) -------------------------------------------
 def inference_guard(torch: Any) -> Optional[type]:
-    """``torch._C._InferenceMode``, the C++ guard ``torch.inference_mode()`` enters (entering
-    it directly saves the Python wrapper), or ``None`` where torch has none."""
+    """``torch._C._InferenceMode`` (what ``torch.inference_mode()`` enters), or ``None``."""
     return getattr(torch._C, "_InferenceMode", None)  # noqa: SLF001 - what torch.inference_mode enters
 
 
 # -- torch.distributed's default group (checked with torch 2.13.0) ------------------------------
 def default_group_reader(dist: Any) -> Optional[Callable[[], Any]]:
-    """A reader of the default process group where ``is_initialized()`` reads it from
-    (``distributed_c10d._world._default_pg``): the group or ``None``, in one C call where
-    ``is_initialized()`` takes four Python ones. ``None`` where that record is not as
-    expected (then ask ``is_initialized()``)."""
+    """A one-C-call reader of ``distributed_c10d._world._default_pg`` (the default group or
+    ``None``); ``None`` where that record is not as expected (ask ``is_initialized()``)."""
     record = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world", None)
     if record is not None and "_default_pg" in getattr(record, "__dict__", ()) \
             and (record._default_pg is not None) == dist.is_initialized():  # noqa: SLF001 - read, as is_initialized() does

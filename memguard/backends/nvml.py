@@ -1,10 +1,6 @@
-"""NVIDIA's management library (``nvidia-ml-py``): the driver's view of every GPU, including
-other processes' use. Optional: without the package or a driver, everything here is empty.
-
-NVML is initialised once per process, on first use (a forked child initialises its own:
-handles do not cross a fork), and shut down at exit. A failed initialisation (no driver) is
-not retried.
-"""
+"""NVIDIA's management library (``nvidia-ml-py``): the driver's view of every GPU, other
+processes included; empty without the package or a driver. Initialised once per process
+(again after a fork), shut down at exit."""
 
 from __future__ import annotations
 

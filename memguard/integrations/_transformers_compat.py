@@ -1,10 +1,5 @@
-"""Every private Hugging Face transformers API memguard uses, in one place, each with the
-version it was checked against: where a transformers release moves one, this is the module to
-change.
-
-Nothing here imports transformers at import time: its callers pass the trainer they hold, or
-call in only where transformers is imported already.
-"""
+"""Every private Hugging Face transformers API memguard uses, each with the version it was
+checked against. Nothing here imports transformers at import time."""
 
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ def loss_shifts_labels(trainer: Any) -> bool:
 
 # -- models' losses (checked with transformers 5.25.0) ------------------------------------------
 def causal_lm_loss() -> Any:
-    """``ForCausalLMLoss``, the loss function a causal language model's ``loss_function``
-    returns (it shifts the labels): from ``transformers.loss.loss_utils``, a module
-    transformers does not export. Imports transformers: call only where it is imported."""
+    """``ForCausalLMLoss`` from ``transformers.loss.loss_utils`` (not exported); imports
+    transformers: call only where it is imported."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     return ForCausalLMLoss

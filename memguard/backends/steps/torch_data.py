@@ -1,9 +1,5 @@
-"""torch's data pipeline, for ``map_batches``: recognising a map-style ``Dataset`` and
-collating its samples as a ``DataLoader`` would.
-
-Nothing here imports torch to look: an object can only be a torch ``Dataset`` once the
-program has imported ``torch.utils.data``.
-"""
+"""torch's data pipeline for ``map_batches``: map-style ``Dataset`` recognition and
+``DataLoader``-style collation, without importing torch to look."""
 
 from __future__ import annotations
 
@@ -37,10 +33,8 @@ _UNJOINABLE = object()
 
 
 def concatenate(parts: list[Any]) -> Any:
-    """``parts`` (the results of one batch's slices, in order) joined along their first
-    dimension as the batch was cut: torch tensors with ``torch.cat``, numpy arrays with
-    ``numpy.concatenate``, lists end to end, tuples and dicts part by part. Results of any
-    other kind (a number, a string) are not joined: the list of them is returned.
+    """One batch's slice results joined as the batch was cut (tensors, arrays, lists, tuples and
+    dicts part by part); results of other kinds come back as their list.
 
     >>> concatenate([[1, 2], [3]]), concatenate([({"a": [1]}, 5), ({"a": [2]}, 6)])
     ([1, 2, 3], ({'a': [1, 2]}, [5, 6]))

@@ -1,17 +1,10 @@
-"""The recompute rung of :func:`memguard.auto_microbatch`: when a slice of
-``min_batch_size`` still runs out of memory, that batch's passes keep fewer activations.
+"""The recompute rung of :func:`memguard.auto_microbatch`: when a slice of ``min_batch_size``
+still runs out of memory, that batch's passes run the model's repeated blocks (children of
+its ``ModuleList``/``Sequential`` containers) under non-reentrant
+``torch.utils.checkpoint``, or a Hugging Face model's ``gradient_checkpointing_enable()``.
 
-The model's repeated blocks (the children of its ``ModuleList``\\ s and ``Sequential``\\ s,
-outermost first) run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
-for those passes only: their activations are recomputed in backward instead of kept. A
-Hugging Face model's own ``gradient_checkpointing_enable()`` is used where it has one. The
-forwards are put back when the passes end, whatever ends them.
-
-Exactness: non-reentrant checkpointing restores the RNG state before it recomputes
-(Dropout draws the same masks), and the persistent buffers a block moves in forward
-(BatchNorm's running statistics) are put back after the recomputation, so they move once,
-as in a plain pass.
-"""
+Exact: checkpointing restores the RNG state before recomputing, and buffers a block moves
+in forward are put back after the recomputation, so they move once."""
 
 from __future__ import annotations
 
@@ -84,8 +77,8 @@ def available(model: Any) -> bool:
 
 @contextlib.contextmanager
 def recomputing(model: Any) -> Iterator[str]:
-    """While inside: the model's blocks recompute their activations in backward. Yields
-    what was checkpointed, for the log."""
+    """While inside, the model's blocks recompute activations in backward; yields what was
+    checkpointed."""
     inner = _inner(model)
     hf = callable(getattr(inner, "gradient_checkpointing_enable", None)) \
         and getattr(inner, "supports_gradient_checkpointing", False)
