@@ -231,8 +231,8 @@ class CallbackBase:
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        """Every out-of-memory seen, in order: dicts of ``step``, ``batch_size``, ``error``,
-        ``memory``."""
+        """Every out-of-memory seen, in order, each a dict of ``step``, ``batch_size``,
+        ``error`` and ``memory``."""
         return self._tracker.failures
 
     def on_retry(self, attempt: Attempt) -> None:
