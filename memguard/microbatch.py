@@ -905,23 +905,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     """Run a training step's forward and backward, redoing the batch in slices on
     out-of-memory, with the same gradients as one backward of the whole batch.
 
-    The decorated function takes the batch first (other arguments go to every call unchanged)
-    and returns the scalar loss of what it was given; memguard runs backward and returns the
-    whole batch's loss, detached. On an out-of-memory (:func:`is_oom_error`) the pass's partial
-    gradients and buffer moves are undone, memory is freed, and the batch is redone in slices
-    along dim 0, shrinking as :func:`oom_retry`'s size does. Gradients held on entry are kept;
-    any other exception propagates at once with them restored.
-
-    A batch is a tensor, array, list/tuple, Mapping or dataclass, nested; other objects go to
-    every slice unchanged. The cost of a slice that fitted (``cost``'s unit) is remembered: a
-    cheaper later batch runs in fewer slices, a dearer one is split before it fails.
-
-    The function must only compute the loss: a ``zero_grad()`` at its top is fine, an
-    ``optimizer.step()`` inside it is refused, gradients it writes otherwise (its own
-    ``backward()``, clipping) are a ``RuntimeError``. Calls on one model are serialised across
-    threads. Under ``DistributedDataParallel`` or FSDP2 (``fully_shard``) every rank must call
-    the step; ranks agree after each pass and gradients are reduced once at the end (see the
-    distributed guide for what is protected).
+    The decorated function takes the batch first (other arguments go to every call) and
+    returns its scalar loss; memguard runs backward and returns the whole batch's loss,
+    detached. On an out-of-memory (:func:`is_oom_error`) the pass is undone, memory freed,
+    and the batch redone in slices along dim 0 (a tensor, array, list, Mapping or
+    dataclass, nested); later batches start from the cost that fitted. Gradients held on
+    entry are kept, also when another exception propagates. The function must only compute
+    the loss: a ``zero_grad()`` at its top is fine, an ``optimizer.step()`` or a
+    ``backward()`` of its own is an error. Under DDP or FSDP2 every rank calls the step
+    and no rank is left waiting in a collective (see the distributed guide).
 
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
@@ -950,10 +942,12 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
             batch once with activations recomputed in backward (``torch.utils.checkpoint``
             on the model's ``ModuleList``/``Sequential`` children, or a Hugging Face model's
-            ``gradient_checkpointing_enable()``). Default ``True``.
+            ``gradient_checkpointing_enable()``); its attempts have ``recompute=True``.
+            Default ``True``.
         offload: on a CUDA, ROCm or XPU device, when that still runs out of memory, redo it
             once more with the tensors saved for backward in pinned host memory
-            (``save_on_cpu(pin_memory=True)``). Never on the CPU. Default ``True``.
+            (``save_on_cpu(pin_memory=True)``); its attempt has ``offload=True``. Never on
+            the CPU nor after the host's own memory ran out. Default ``True``.
 
     Returns:
         A decorator; the decorated step (a :class:`MicrobatchedFunction`) returns the whole

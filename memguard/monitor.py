@@ -48,8 +48,10 @@ class MemoryMonitor:
     Args:
         interval: seconds between samples. Default ``0.1``.
         devices: the devices to watch (a name, a list of names, or ``None`` for all).
-        max_samples: the most samples kept (at least 2). Default ``100_000``.
-        max_marks: the most marks kept (at least 2). Default ``10_000``.
+        max_samples: the most samples kept (at least 2; about 520 bytes each with one
+            device). Default ``100_000``.
+        max_marks: the most marks kept (at least 2; about 150 bytes each).
+            Default ``10_000``.
 
     >>> import memguard
     >>> with memguard.MemoryMonitor(interval=0.01, max_samples=1000, max_marks=10) as mon:
