@@ -399,23 +399,12 @@ SAMPLES_OR_LABELLED = "samples or labelled"
 
 def averaged_over(loss: Callable[[int, int], float], tokens: Callable[[int, int], float],
                   length: int, most: int = 4, known: Optional[str] = None) -> Optional[str]:
-    """What a loss's own mean is over, read from its values: the loss of ``most`` samples together
-    is predicted from their single losses weighted by tokens, alike, or alike over the labelled
-    ones, and the matching prediction wins. The samples read are the first that differ enough
-    to tell the means apart.
-
-    Args:
-        loss: the loss of samples ``i:j``, a float.
-        tokens: the tokens counted in samples ``i:j``.
-        length: the samples of the batch.
-        most: the most samples read together.
-        known: an earlier batch's :data:`SAMPLES_OR_LABELLED`, given back at once where this
-            batch cannot tell more.
-
-    Returns:
-        ``"tokens"``, ``"samples"`` or ``"labelled"``; ``"either"`` where this batch weights
-        alike either way; :data:`SAMPLES_OR_LABELLED` where every sample has tokens and a
-        sample mean matches; ``None`` where none or several differing ones match.
+    """What a loss's own mean is over, from ``loss(i, j)`` (samples ``i:j`` of ``length``) and
+    ``tokens(i, j)``: the loss of up to ``most`` samples together is predicted from their single
+    losses weighted by tokens, alike, or alike over the labelled ones; the match wins.
+    ``"tokens"``, ``"samples"``, ``"labelled"``; ``"either"`` where this batch cannot tell
+    them apart; :data:`SAMPLES_OR_LABELLED` (also ``known``, an earlier batch's answer, given
+    back at once where this batch cannot tell more); ``None`` where none or several match.
 
     >>> values, counts = [2.0, 4.0], [1, 3]
     >>> def token_mean(i, j):
