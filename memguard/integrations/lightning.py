@@ -41,14 +41,12 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     the callback is ready for the next ``fit``; pass ``on_retry=callback.on_retry`` to an
     ``oom_retry`` around ``fit``.
 
-    With ``microbatch=True`` the module's ``training_step`` runs under
-    :func:`memguard.auto_microbatch` for each fit: the batch is redone in slices within the
-    same optimizer step, with the unsplit step's gradients (with gradient accumulation,
-    clipping, mixed precision and DDP). ``training_step`` returns the loss (or a dict with
-    ``"loss"``); slices are weighted by samples, by ``weight``, or by the labels not -100
-    where the loss is read to average over tokens. Values logged with ``self.log`` by a
-    failed pass are dropped. The slice size is logged as ``memory/microbatch_size`` and kept
-    in checkpoints. See the trainers guide for the details.
+    With ``microbatch=True`` the module's ``training_step`` (automatic optimisation; it returns
+    the loss or a dict with ``"loss"``) runs under :func:`memguard.auto_microbatch` for each
+    fit: the batch is redone in slices within the same optimizer step, with the unsplit
+    step's gradients, also with gradient accumulation, clipping, mixed precision and DDP. A
+    failed pass's ``self.log`` values are dropped. The slice size is logged as
+    ``memory/microbatch_size`` and kept in checkpoints. See the trainers guide.
 
     Args:
         max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
@@ -60,31 +58,28 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             ``"always"`` or ``"never"``.
         log_every_n_steps: also log ``step_allocated`` and ``step_reserved`` every N steps;
             ``None`` (the default) for epochs only.
-        microbatch: recover from an out-of-memory inside each training step (needs automatic
-            optimisation). Default ``False``.
-        min_batch_size: with ``microbatch=True``, the smallest slice size tried, in samples.
-            Default ``None``: :func:`memguard.auto_microbatch`'s (1).
-        factor: with ``microbatch=True``, the next slice size is ``floor(size * factor)``;
-            ``"auto"`` measures it; a callable ``size -> next size`` decides. Default
-            ``None``: :func:`memguard.auto_microbatch`'s (0.5).
-        max_attempts: with ``microbatch=True``, the most passes over one batch. Default
-            ``None``: until ``min_batch_size``.
-        on_retry: with ``microbatch=True``, called with each failed :class:`memguard.Attempt`
-            after the cleanup. Default ``None``: nothing is called.
-        sync: with ``microbatch=True``, agree with the other ranks after each pass
-            (``"auto"``, ``True``, ``False``). Default ``None``: ``"auto"``.
-        reduction: with ``microbatch=True``, ``"mean"`` or ``"sum"``, what the loss is over
-            its samples. Default ``None``: ``"mean"``.
-        weight: with ``microbatch=True``, a callable ``slice -> count`` its loss averages
-            over (tokens). Default ``None``: read from the loss, as above.
-        grow_every: with ``microbatch=True``, try the next larger slice size after this many
-            steps without an out-of-memory. Default ``None``: never.
-        recompute: with ``microbatch=True``, recompute activations when one slice of
-            ``min_batch_size`` still runs out of memory. Default ``None``:
-            :func:`memguard.auto_microbatch`'s (``True``).
-        cost: with ``microbatch=True``, a callable ``batch -> number`` that grows with its
-            memory (tokens): slices are planned in it. Default ``None``: the elements of the
-            batch's tensors.
+        microbatch: recover from an out-of-memory inside each training step. Default
+            ``False``. The options below need it; their default ``None`` means
+            :func:`memguard.auto_microbatch`'s.
+        min_batch_size: the smallest slice size tried, in samples. Default ``None``.
+        factor: the next slice size is ``floor(size * factor)``; ``"auto"`` measures it; a
+            callable ``size -> next size`` decides. Default ``None``.
+        max_attempts: the most passes over one batch. Default ``None``.
+        on_retry: called with each failed :class:`memguard.Attempt` after the cleanup.
+            Default ``None``.
+        sync: agree with the other ranks after each pass (``"auto"``, ``True``, ``False``).
+            Default ``None``.
+        reduction: ``"mean"`` or ``"sum"``, what the loss is over its samples. Default
+            ``None``.
+        weight: a callable ``slice -> count`` its loss averages over (tokens). Default
+            ``None``: the labels not -100 where the loss is read to average over tokens,
+            else samples.
+        grow_every: try the next larger slice size after this many steps without an
+            out-of-memory. Default ``None``.
+        recompute: recompute activations when one slice of ``min_batch_size`` still runs
+            out of memory. Default ``None``.
+        cost: a callable ``batch -> number`` that grows with its memory (tokens): slices are
+            planned in it. Default ``None``.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
