@@ -236,16 +236,8 @@ def run(budget: int, framework: str = "torch", plot: str = "memguard-demo.png",
 
 def train(budget: int, framework: str = "torch", epochs: int = 3,
           say: Callable[..., None] = _say) -> DemoRun:
-    """Train under ``budget`` bytes, starting too big, printing what happens and a summary.
-
-    Args:
-        budget: the bytes :func:`memguard.memory_limit` gives the training.
-        framework: ``"torch"`` or ``"tensorflow"``.
-        epochs: how many epochs to train.
-        say: where the lines go (``print``-like).
-
-    Returns:
-        a :class:`DemoRun`."""
+    """Train under ``budget`` bytes with ``framework`` (``"torch"`` or ``"tensorflow"``) for
+    ``epochs``, starting too big, printing through ``say``; a :class:`DemoRun`."""
     check_budget(budget)
     flavour: Any = _Torch() if framework == "torch" else _TensorFlow()
     say(f"memguard demo: {framework} on {flavour.device}, a {format_bytes(budget)} budget, "

@@ -243,17 +243,9 @@ def find_holders(target: Any, *, max_depth: int = HOLDER_DEPTH, max_paths: int =
 def find_holders_of(targets: list[Any], *, max_depth: int = HOLDER_DEPTH,
                     max_paths: int = HOLDER_PATHS, seconds: float = HOLDER_SECONDS
                     ) -> list[list[str]]:
-    """:func:`find_holders` for several targets in one walk (one pass over the tracked objects
-    per level, whatever the number of targets).
-
-    Args:
-        targets: the objects whose holders to find.
-        max_depth: the most steps from a root to a target.
-        max_paths: the most paths for each target, shortest first.
-        seconds: the time the whole walk may take.
-
-    Returns:
-        One list of paths for each target, in the order of ``targets``."""
+    """:func:`find_holders` for several ``targets`` in one walk (one pass over the tracked objects
+    per level, whatever their number): one list of paths per target, in order; ``seconds``
+    bounds the whole walk."""
     return walk_holders(targets, max_depth, max_paths, seconds)[0]
 
 

@@ -104,21 +104,16 @@ class MemoryFit:
 
 
 class Gauge:
-    """What ``factor="auto"`` measures of one attempt: what each device could give when it began
-    (:meth:`start`) and, inside ``except``, what it took and asked for (:meth:`size_after`).
+    """What ``factor="auto"`` measures of one attempt (``who`` names it in the log): what each
+    device could give when it began (:meth:`start`) and, inside ``except``, what it took and
+    asked for (:meth:`size_after`). A lower bound, so the size halves instead where it says
+    no more than the failure itself.
 
-    The measurement is a lower bound, so the size halves instead where it says no more than
-    the failure itself: an attempt that needed hardly more than there was, or a measured
-    guess that failed too.
-
-    Args:
-        who: the name the log lines give.
-
-    Example:
-        >>> gauge = Gauge("train")
-        >>> gauge.start()
-        >>> gauge.size_after(MemoryError(), 64) is None  # no size stated: the caller halves
-        True"""
+    >>> gauge = Gauge("train")
+    >>> gauge.start()
+    >>> gauge.size_after(MemoryError(), 64) is None  # no size stated: the caller halves
+    True
+    """
 
     def __init__(self, who: str) -> None:
         self.who = who

@@ -115,12 +115,7 @@ class KerasCopy:
 
 
 def copy_state(obj: Any, in_file: bool) -> KerasCopy:
-    """Copy the variables of the Keras model or optimizer ``obj``.
-
-    Args:
-        obj: a Keras model (its weights and compiled optimizer's variables) or optimizer.
-        in_file: write the values to a temporary file instead of holding them in memory.
-
-    Returns:
-        The copy: ``load()`` assigns it back, ``discard()`` frees it."""
+    """Copy the variables of the Keras model (weights and compiled optimizer's variables) or
+    optimizer ``obj``, to a temporary file with ``in_file``; ``load()`` assigns the copy back,
+    ``discard()`` frees it."""
     return KerasCopy(obj, in_file)

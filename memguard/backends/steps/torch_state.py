@@ -289,15 +289,9 @@ def _keras(obj: Any) -> bool:
 
 
 def copy_states(objects: tuple[Any, ...], free_host: Optional[int] = None) -> SavedState:
-    """Copy the state of each of ``objects`` (and a module's gradients), to host memory or a
-    temporary file (:func:`check_restorable`'s ``to``).
-
-    Args:
-        objects: the objects (a :class:`Restorables` carries ``to``).
-        free_host: the host's available memory in bytes (``None``: unknown).
-
-    Returns:
-        The copy, to :meth:`SavedState.load` and :meth:`SavedState.discard`."""
+    """Copy the state of each of ``objects`` (and a module's gradients) to host memory or a
+    temporary file (a :class:`Restorables`' ``to``; ``free_host``: the available host bytes for
+    ``"auto"``), for :meth:`SavedState.load` and :meth:`SavedState.discard`."""
     to = getattr(objects, "to", "auto")
     torch_objects = [o for o in objects if not _keras(o)]
     keras_objects = [o for o in objects if _keras(o)]
