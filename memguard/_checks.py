@@ -130,7 +130,8 @@ def warn_at_caller(message: str) -> None:
     line. Under ``-W error`` it is logged at WARNING instead: a diagnostic never breaks a call.
 
     Args:
-        message: the warning's text."""
+        message: the warning's text.
+    """
     internal = _INTERNAL + _wrapt_folder()
     level, frame = 1, sys._getframe(0)  # noqa: SLF001 - the caller's frames: no public way to walk them
     while frame is not None and frame.f_code.co_filename.startswith(internal):

@@ -111,7 +111,8 @@ class MicrobatchedFunction(Protocol[P, R_co]):
 
         Args:
             microbatch_size: the slice size to start from instead, in samples (one learned
-                before, kept with a checkpoint). Default ``None``: the whole batch first."""
+                before, kept with a checkpoint). Default ``None``: the whole batch first.
+        """
 
 
 class _Config:

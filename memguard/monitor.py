@@ -232,7 +232,8 @@ class MemoryMonitor:
 
         Args:
             path: the CSV file to write (replaced if it exists); ``time`` in seconds since the
-                start, ``allocated`` and ``reserved`` in bytes."""
+                start, ``allocated`` and ``reserved`` in bytes.
+        """
         with self._lock, open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["time", "device", "allocated", "reserved", "mark"])
@@ -295,7 +296,8 @@ class MemoryMonitor:
             marks: the marks to draw, ``(time.time(), label)`` pairs (default: ``marks``).
 
         Returns:
-            a ``matplotlib.figure.Figure`` with its own Agg canvas (pyplot is not involved)."""
+            a ``matplotlib.figure.Figure`` with its own Agg canvas (pyplot is not involved).
+        """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.collections import LineCollection
@@ -410,7 +412,8 @@ class MemoryMonitor:
             prefix: the first part of every tag. Default ``"memory"``.
 
         Returns:
-            The number of scalars written."""
+            The number of scalars written.
+        """
         rows = [(f"{prefix}/{device}/{field}", index, t, value / 2**20)
                 for index, (t, mem) in enumerate(list(self.samples))
                 for device, m in mem.items()

@@ -177,7 +177,8 @@ def memguard_scope(request: pytest.FixtureRequest) -> MemoryScope:
         def test_epoch(memguard_scope):
             run_epoch()
             memguard_scope.close()
-            assert memguard_scope.retained["host"] < 2**20"""
+            assert memguard_scope.retained["host"] < 2**20
+    """
     return _scope_for(request.node)
 
 

@@ -241,7 +241,8 @@ class CallbackBase:
 
         Args:
             attempt: the failed :class:`memguard.Attempt` that ``oom_retry`` hands its
-                ``on_retry``."""
+                ``on_retry``.
+        """
         self._tracker.on_retry(attempt)
 
 

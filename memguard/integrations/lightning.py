@@ -153,7 +153,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
 
         Args:
             state_dict: what :meth:`state_dict` returned; a ``microbatch_size`` that is not a
-                positive int is ignored."""
+                positive int is ignored.
+        """
         size = state_dict.get("microbatch_size")
         if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
             self._size = size

@@ -50,7 +50,8 @@ class Sharding:
     """FSDP2's state for one ``auto_microbatch`` step on ``model``.
 
     Args:
-        model: the module the step trains, holding at least one ``fully_shard`` module."""
+        model: the module the step trains, holding at least one ``fully_shard`` module.
+    """
 
     def __init__(self, model: Any) -> None:
         self.units = units(model)
