@@ -327,9 +327,9 @@ class HostBackend(Backend):
 
     def peak_after_reset(self, device: str = HOST) -> Optional[int]:
         """The kernel sets the high-water mark to the resident set at the reset, which
-        :meth:`reset_peak` has just read: the resident set since then is all that can be
-        above it (``statm``, a third of the cost of ``status``'s ``VmHWM``)."""
-        return max(self._sampled_peak, self.rss())
+        :meth:`reset_peak` has just read: that reading, without reading again (a scope's
+        peak is the counter at its exit or a higher one, never below this)."""
+        return self._sampled_peak
 
     def _clear_refs(self) -> None:
         """Write "5" to ``/proc/self/clear_refs`` (the kernel resets ``VmHWM`` at each write)
