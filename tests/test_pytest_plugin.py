@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import UNUSED_PLUGINS
+from conftest import UNUSED_PLUGINS, fresh_pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("lean_pytest")]
 
@@ -267,8 +267,7 @@ def test_a_test_that_imports_torch_first_is_not_judged_for_leaks(pytester):
             import torch
             CACHE.append(torch.ones(64 * 2**20 // 4))
     """)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=8MiB",
-                                           "-rA")
+    result = fresh_pytest(pytester, "-p", "no:cacheprovider", "--memguard-max-leak=8MiB", "-rA")
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     assert "test_imports_torch imported torch for the first time in this process: not judged" \
@@ -444,13 +443,13 @@ def test_the_limit_comes_from_an_ini_file_and_the_command_line_overrides_it(pyte
                                                                             text):
     pytester.makepyfile(test_bytes=BYTES_LEAK)
     (pytester.path / name).write_text(text)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = fresh_pytest(pytester, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     assert "memguard: test_keeps_32mib retained 32.0 MiB on host (max_leak 8.0 MiB)" in \
         result.stdout.str()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=64MiB")
+    result = fresh_pytest(pytester, "-p", "no:cacheprovider", "--memguard-max-leak=64MiB")
     result.assert_outcomes(passed=2)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memguard-max-leak=none")
+    result = fresh_pytest(pytester, "-p", "no:cacheprovider", "--memguard-max-leak=none")
     result.assert_outcomes(passed=2)
 
 
