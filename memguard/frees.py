@@ -16,7 +16,16 @@ from ._units import Size, parse_optional_size
 from .backends import UNKNOWN, host, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
-from .scope import beyond, census_needed, growth, in_use, leak_error, leak_line, leak_message
+from .scope import (
+    beyond,
+    census_alone_passes,
+    census_needed,
+    growth,
+    in_use,
+    leak_error,
+    leak_line,
+    leak_message,
+)
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -120,15 +129,22 @@ class _Call:
             return
         limit = shared.max_leak
         over = self._over(after, limit)
-        if over and limit is not None:
-            # The verdict never rests on a cleanup the policy skipped or cut short (a backed-off
-            # or young-generation collection): before blaming the call, collect in full.
-            with interrupts_after():
-                gc.collect()
-            with shared.lock:
-                shared.baseline = after = read_all(self.pairs)
-            over = self._over(after, limit)
         leaks: list[TensorInfo] = []
+        if over and limit is not None:
+            passed = census_alone_passes(over, limit, lambda: created_since(
+                self.tensors, live_tensors())) if self.census else None
+            if passed is not None:
+                self.census = False
+                leaks.extend(passed)
+            else:
+                # The verdict never rests on a cleanup the policy skipped or cut short (a
+                # backed-off or young-generation collection): before blaming the call,
+                # collect in full.
+                with interrupts_after():
+                    gc.collect()
+                with shared.lock:
+                    shared.baseline = after = read_all(self.pairs)
+                over = self._over(after, limit)
 
         def created() -> list[TensorInfo]:
             if self.census:
