@@ -69,6 +69,7 @@ print(json.dumps(times))
         Result("1c naive gc+trim step", out["naive"] * ms, bare * ms, "ms", "bare step",
                "report", None, "what the common recipe costs"),
         _microbatch(quick),
+        _first_attempt(quick),
         _fragmented(rounds, per_round),
     ]
 
@@ -97,6 +98,51 @@ def microbatched():
                   "bare step", "<= 1.02x", ratio <= 1.02,
                   "whole batch, no out-of-memory: the cost of being ready for one; median of "
                   f"{runs} processes' medians of {pairs} paired ratios ("
+                  + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+
+
+def _first_attempt(quick: bool) -> Result:
+    """Benchmark 1e': what the whole-batch pass (``microbatch._Step.whole``, the call when
+    the batch is planned whole and nothing is to be agreed) saves over the sizing loop's own
+    first attempt, which every other call takes: the same step under two ``auto_microbatch``
+    wrappers, one of them sent through the loop, paired as 1e is (loop against whole)."""
+    runs, pairs = (1, 60) if quick else (5, 150)
+    ratios, peer_ms = _paired(STEP + """
+import memguard
+from memguard import microbatch
+
+whole_fits = microbatch._whole_fits
+
+
+def never(*args):
+    return False
+
+
+def loss(batch):
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+by_whole = memguard.auto_microbatch(model)(loss)
+by_loop = memguard.auto_microbatch(model)(loss)
+
+
+def whole_pass():
+    microbatch._whole_fits = whole_fits
+    by_whole((x, y))
+    opt.step()
+    opt.zero_grad()
+
+
+def loop_attempt():
+    microbatch._whole_fits = never
+    by_loop((x, y))
+    opt.step()
+    opt.zero_grad()
+""", "loop_attempt", "whole_pass", runs, pairs)
+    ratio = statistics.median(ratios)
+    return Result("1e' the loop's first attempt instead of the whole pass", ratio * peer_ms,
+                  peer_ms, "ms", "1e's whole pass", "report", None,
+                  f"median of {runs} processes' medians of {pairs} paired ratios ("
                   + ", ".join(f"{r:.3f}" for r in ratios) + ")")
 
 
