@@ -377,11 +377,14 @@ def test_on_a_slow_heap_a_cycle_left_by_every_call_is_freed_by_every_call(
 # -- Ctrl-C during the cleanup ---------------------------------------------------------------
 
 class InterruptsWhenFreed:
-    """8 MiB in a reference cycle whose finaliser delivers a real SIGINT (Ctrl-C while the
-    cleanup's collection runs finalisers)."""
+    """64 MiB in a reference cycle whose finaliser delivers a real SIGINT (Ctrl-C while the
+    cleanup's collection runs finalisers). Above glibc's largest mmap threshold (32 MiB), it
+    is new pages whatever the heap holds: 8 MiB could come from free heap a test process's
+    earlier tests left, and on a heap slow enough that the guards read the resident set the
+    "auto" cleanup then saw no growth and rightly collected nothing."""
 
     def __init__(self) -> None:
-        self.data = torch.ones(8 * MiB // 4)
+        self.data = torch.ones(64 * MiB // 4)
         self.me = self
 
     def __del__(self) -> None:
