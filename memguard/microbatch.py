@@ -35,7 +35,7 @@ from typing import (
     overload,
 )
 
-from ._checks import optional_positive_int
+from ._checks import flag, optional_positive_int
 from ._decorate import function_kind, name_of, with_statistics
 from ._locks import ForkSafeLock
 from ._slices import Plan, batch_elements, plan_batch
@@ -982,6 +982,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
         raise ValueError(f"auto_microbatch: reduction must be 'mean' or 'sum', got "
                          f"{reduction!r}")
     optional_positive_int(grow_every, "grow_every", who="auto_microbatch")
+    flag(recompute, "recompute", who="auto_microbatch")
+    flag(offload, "offload", who="auto_microbatch")
     if cost is not None and not callable(cost):
         raise TypeError(f"auto_microbatch: cost must be a callable batch -> number, got "
                         f"{cost!r:.80}")
@@ -1005,7 +1007,7 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             raise TypeError(f"auto_microbatch cannot decorate {kind} function "
                             f"{name_of(func)}: backward runs synchronously")
         cfg = _Config(func, model, policy, reduction, grow_every, scaler, sharded, weight,
-                      bool(recompute), cost, bool(offload))
+                      recompute, cost, offload)
         state = _State()
         lock = _model_lock(model)
 

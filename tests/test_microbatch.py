@@ -362,7 +362,8 @@ def test_bad_values_are_refused_at_decoration():
     for kwargs, error in [({"factor": 1}, ValueError), ({"factor": True}, ValueError),
                           ({"min_batch_size": 0}, ValueError), ({"reduction": "avg"}, ValueError),
                           ({"grow_every": 0}, ValueError), ({"sync": "yes"}, ValueError),
-                          ({"scaler": 3}, TypeError)]:
+                          ({"scaler": 3}, TypeError), ({"recompute": "yes"}, TypeError),
+                          ({"offload": None}, TypeError)]:
         with pytest.raises(error):
             memguard.auto_microbatch(model, **kwargs)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
