@@ -65,9 +65,12 @@ class Ceiling:
 
     def __init__(self, model, limit: int, where: str = "forward") -> None:
         self.limit, self.where, self.failures, self.seen = limit, where, 0, []
+        self.model = model
         model.transformer.h[0].register_forward_hook(self.hook)
 
     def fail_if_over(self, n: int) -> None:
+        if self.where == "plain passes" and self.model.is_activation_checkpointing:
+            return  # recomputed: the activations this ceiling stands for are not kept
         if self.limit is not None and n > self.limit:
             self.failures += 1
             raise RuntimeError(CUDA_OOM)
@@ -303,6 +306,28 @@ def test_a_step_that_fits_is_left_whole_and_bad_arguments_are_named(tmp_path):
         auto_microbatch(trainer, min_size=2)
     with pytest.raises(TypeError, match="cost must be a callable"):  # passed on, checked
         auto_microbatch(trainer, cost=1.0)
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        auto_microbatch(trainer, offload="no")
+
+
+def test_a_batch_that_fits_only_recomputed_trains_and_the_log_counts_the_steps(tmp_path):
+    """Every plain pass runs out, down to one sample; each step's batch then runs with the
+    model's own gradient checkpointing, for that batch only. The log entries count the steps
+    that needed it, and the weights are the unbudgeted run's."""
+    reference, _ = trained(tmp_path / "ref", wrap=False)
+    trainer, ceiling = trained(tmp_path / "split", limit=0, where="plain passes",
+                               logging_strategy="steps", logging_steps=2)
+    assert trainer.state.global_step == 4
+    assert ceiling.failures >= 4  # each step's plain passes ran out
+    assert trainer.training_step.history[-1].recompute
+    assert not trainer.model.is_activation_checkpointing  # off again after each batch
+    assert distance(trainer, reference) < 1e-5
+    counted = [(e["step"], e["memory/recomputed_steps"]) for e in trainer.state.log_history
+               if "loss" in e]
+    assert counted == [(2, 2.0), (4, 4.0)], trainer.state.log_history
+    assert not any("memory/offloaded_steps" in e for e in trainer.state.log_history)
+    fitted, _ = trained(tmp_path / "whole", logging_strategy="steps", logging_steps=2)
+    assert not any("memory/recomputed_steps" in e for e in fitted.state.log_history)
 
 
 def test_the_smallest_slice_failing_too_ends_train_with_the_error(tmp_path):

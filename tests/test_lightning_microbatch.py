@@ -170,6 +170,69 @@ def test_a_step_that_fits_is_the_plain_step():
     assert distance(model, reference) < 1e-6
 
 
+def stack_class(pl):
+    class Stack(pl.LightningModule):
+        """Four blocks in a ``Sequential``; a pass runs out of memory when it keeps more than
+        ``cap`` elements for backward, counted by a saved-tensors hook (a checkpointed block
+        keeps its tensors under the checkpoint's own hooks, not this one)."""
+
+        def __init__(self, cap=None):
+            super().__init__()
+            self.blocks = torch.nn.Sequential(*[
+                torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+            self.head = torch.nn.Linear(8, 1)
+            self.cap = cap
+
+        def training_step(self, batch, index):
+            x, y = batch
+            kept = [0]
+
+            def pack(t):
+                kept[0] += t.numel()
+                if self.cap is not None and kept[0] > self.cap:
+                    raise RuntimeError(OOM)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return torch.nn.functional.mse_loss(self.head(self.blocks(x)), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Stack
+
+
+def test_a_batch_that_fits_only_recomputed_trains_and_the_log_counts_the_steps():
+    """One sample's plain pass keeps more than the cap; with the blocks checkpointed it fits.
+    Every step ends with the unbudgeted weights, and the logged count of steps that needed
+    the rung grows by one a step."""
+    pl = lightning("lightning.pytorch")
+    Stack = stack_class(pl)
+    torch.manual_seed(1)
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    model.cap = 200  # one sample keeps 274 plain, 50 recomputed
+    fit(pl, reference, [])
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            history = callback._step.step.history
+            seen.append((trainer.callback_metrics["memory/recomputed_steps"].item(),
+                         [a.recompute for a in history if a.ok]))
+
+    callback = MemguardCallback(microbatch=True)
+    trainer = fit(pl, model, [callback, Watch()])
+    assert trainer.global_step == 4
+    assert seen == [(float(n), [True]) for n in range(1, 5)]
+    assert distance(model, reference) < 1e-5
+    assert "memory/offloaded_steps" not in trainer.callback_metrics
+    plain = fit(pl, copy.deepcopy(reference), [MemguardCallback(microbatch=True)])
+    assert "memory/recomputed_steps" not in plain.callback_metrics
+    with pytest.raises(OutOfMemoryError):  # the rung turned off: one sample does not fit
+        fit(pl, copy.deepcopy(model), [MemguardCallback(microbatch=True, recompute=False)])
+
+
 def test_manual_optimisation_and_bad_options_are_refused():
     pl = lightning("pytorch_lightning")
     _, model = pair(pl)
@@ -184,6 +247,10 @@ def test_manual_optimisation_and_bad_options_are_refused():
         MemguardCallback(microbatch=True, factor=2.0)
     with pytest.raises(TypeError, match="cost must be a callable"):  # passed on, checked
         MemguardCallback(microbatch=True, cost="tokens")
+    with pytest.raises(TypeError, match="offload must be True or False"):
+        MemguardCallback(microbatch=True, offload="no")
+    with pytest.raises(TypeError, match="pass microbatch=True"):
+        MemguardCallback(offload=False)
 
 
 def test_bf16_mixed_precision_split_matches_the_unsplit_bf16_run():

@@ -206,10 +206,10 @@ def test_a_hugging_face_model_uses_its_own_checkpointing_for_the_batch_only():
 
     plain = grads()
     with _recompute.recomputing(model) as what:
-        assert model.is_gradient_checkpointing
+        assert model.is_activation_checkpointing
         recomputed = grads()
     assert "gradient checkpointing" in what
-    assert not model.is_gradient_checkpointing  # off again after the batch
+    assert not model.is_activation_checkpointing  # off again after the batch
     pairs = zip(plain, recomputed, strict=True)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
 

@@ -11,7 +11,7 @@ import logging
 import math
 import random
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from .._checks import flag, optional_positive_int
 from .._units import Size, parse_optional_size
@@ -244,6 +244,37 @@ class CallbackBase:
                 ``on_retry``.
         """
         self._tracker.on_retry(attempt)
+
+
+class RungCounts:
+    """How many steps of a run fitted only with :func:`memguard.auto_microbatch`'s recompute or
+    offload rung, for the trainers' logs: ``memory/recomputed_steps`` and
+    ``memory/offloaded_steps``, each from the first such step on. Counts, not the last step's
+    rung, so that a step between two log entries is not missed.
+
+    >>> from memguard import Attempt
+    >>> counts = RungCounts()
+    >>> counts.add([Attempt(size=1, ok=False), Attempt(size=1, ok=True, recompute=True)])
+    >>> counts.figures()
+    {'memory/recomputed_steps': 1.0}
+    """
+
+    KEYS: ClassVar[dict[str, str]] = {"recompute": "memory/recomputed_steps",
+                                      "offload": "memory/offloaded_steps"}
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(self.KEYS, 0)
+
+    def add(self, history: list[Attempt]) -> None:
+        """Count the step whose attempts are ``history`` (its last one is the pass that fitted)."""
+        if history and history[-1].ok:
+            for rung in self.counts:
+                self.counts[rung] += bool(getattr(history[-1], rung))
+
+    def figures(self) -> dict[str, float]:
+        """The log entries: each count that is not zero, under its key."""
+        return {key: float(self.counts[rung]) for rung, key in self.KEYS.items()
+                if self.counts[rung]}
 
 
 def metrics_of(scope: MemoryScope, prefix: str = "memory") -> dict[str, float]:

@@ -22,6 +22,7 @@ from ..loop import Attempt
 from ..microbatch import auto_microbatch
 from ._core import (
     SAMPLES_OR_LABELLED,
+    RungCounts,
     causal_lm,
     failure_text,
     labelled_samples,
@@ -124,6 +125,7 @@ class MicrobatchedTrainingStep:
             logs.replay()
             history = step.history
             this.last_size = history[-1].size if history else None
+            this.rungs.add(history)
             # memguard's backward was scaled by the scaler's scale; Lightning's backward of
             # the carrier scales it again
             scale = float(scaler.get_scale()) if scaler is not None else 1.0
@@ -134,6 +136,7 @@ class MicrobatchedTrainingStep:
 
         self.step = step
         self.last_size: Optional[int] = None
+        self.rungs = RungCounts()  # this fit's steps that recomputed or offloaded
         self._module: Any = pl_module
         pl_module.training_step = types.MethodType(replaced, pl_module)
 

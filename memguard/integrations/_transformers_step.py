@@ -16,6 +16,7 @@ from ..loop import Attempt
 from ..microbatch import auto_microbatch as _auto_microbatch
 from ._core import (
     SAMPLES_OR_LABELLED,
+    RungCounts,
     causal_lm,
     failure_text,
     labelled_samples,
@@ -81,6 +82,7 @@ class MicrobatchedTrainingStep:
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
+        self.rungs = RungCounts()  # this train()'s steps that recomputed or offloaded
 
     def _agree_calls(self, model: Any, inputs: Any) -> int:
         """Under DDP, while some rank's loss reading is not final: the most gradient-free
@@ -123,6 +125,7 @@ class MicrobatchedTrainingStep:
     def _resume(self, trainer: Any) -> None:
         """At a ``train()``'s first step: start from the slice size a resumed checkpoint kept."""
         self._run = trainer.state
+        self.rungs = RungCounts()
         saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
         size = saved.get("attributes", {}).get("microbatch_size") \
             if isinstance(saved, dict) else None
@@ -150,9 +153,11 @@ class MicrobatchedTrainingStep:
             callbacks[STATE_KEY] = MicrobatchState.state_of(size)
 
     def figures(self) -> dict[str, float]:
-        """``{"memory/microbatch_size": size}`` for the Trainer's log entries."""
+        """``{"memory/microbatch_size": size}`` for the Trainer's log entries, with
+        ``memory/recomputed_steps`` and ``memory/offloaded_steps`` from the first step of this
+        ``train()`` that needed the rung."""
         size = self.microbatch_size
-        return {} if size is None else {"memory/microbatch_size": size}
+        return {} if size is None else {"memory/microbatch_size": size, **self.rungs.figures()}
 
     # -- the step --------------------------------------------------------------------------
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
@@ -182,6 +187,7 @@ class MicrobatchedTrainingStep:
                          kwargs)
         finally:
             self._context = None
+        self.rungs.add(step.history)
         self._keep(trainer)
         return total * divisor if divisor != 1 else total
 

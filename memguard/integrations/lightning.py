@@ -27,7 +27,7 @@ except ImportError:
 MICROBATCH_KEY = "memory/microbatch_size"
 #: ``auto_microbatch``'s options that ``MemguardCallback(microbatch=True, ...)`` passes on.
 MICROBATCH_OPTIONS = ("min_batch_size", "factor", "max_attempts", "on_retry", "sync",
-                      "reduction", "weight", "grow_every", "recompute", "cost")
+                      "reduction", "weight", "grow_every", "recompute", "cost", "offload")
 
 
 class MemguardCallback(CallbackBase, _pl.Callback):
@@ -46,7 +46,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     fit: the batch is redone in slices within the same optimizer step, with the unsplit
     step's gradients, also with gradient accumulation, clipping, mixed precision and DDP. A
     failed pass's ``self.log`` values are dropped. The slice size is logged as
-    ``memory/microbatch_size`` and kept in checkpoints. See the trainers guide.
+    ``memory/microbatch_size`` and kept in checkpoints; ``memory/recomputed_steps`` and
+    ``memory/offloaded_steps`` count the steps of the fit that needed those rungs, logged from
+    the first. See the trainers guide.
 
     Args:
         max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
@@ -80,6 +82,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             out of memory. Default ``None``.
         cost: a callable ``batch -> number`` that grows with its memory (tokens): slices are
             planned in it. Default ``None``.
+        offload: on a GPU, after recompute, keep the tensors saved for backward in pinned
+            host memory. Default ``None``.
 
     Raises:
         MemoryLeakError: at the end of an epoch (after the first) that retained more than
@@ -112,14 +116,15 @@ class MemguardCallback(CallbackBase, _pl.Callback):
                  weight: Optional[Callable[[Any], Any]] = None,
                  grow_every: Optional[int] = None,
                  recompute: Optional[bool] = None,
-                 cost: Optional[Callable[[Any], Any]] = None) -> None:
+                 cost: Optional[Callable[[Any], Any]] = None,
+                 offload: Optional[bool] = None) -> None:
         super().__init__(max_leak, track_tensors, cleanup, log_every_n_steps)
         if not isinstance(microbatch, bool):
             raise TypeError(f"MemguardCallback: microbatch must be True or False, got "
                             f"{microbatch!r}")
         given = dict(min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
                      on_retry=on_retry, sync=sync, reduction=reduction, weight=weight,
-                     grow_every=grow_every, recompute=recompute, cost=cost)
+                     grow_every=grow_every, recompute=recompute, cost=cost, offload=offload)
         options: dict[str, Any] = {name: value for name, value in given.items()
                                    if value is not None}
         if options and not microbatch:
@@ -195,6 +200,8 @@ class MemguardCallback(CallbackBase, _pl.Callback):
             pl_module.log(MICROBATCH_KEY, float(step.last_size), on_step=True,
                           on_epoch=False, batch_size=1)
             step.last_size = None
+            for key, value in step.rungs.figures().items():
+                pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
         if self._tracker.step_due(trainer.global_step):
             for key, value in self._tracker.step_metrics().items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)

@@ -247,7 +247,8 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
                     weight: Optional[Callable[[Any], Any]] = None,
                     grow_every: Optional[int] = None, scaler: Any = None,
                     recompute: bool = True,
-                    cost: Optional[Callable[[Any], Any]] = None) -> TrainerT:
+                    cost: Optional[Callable[[Any], Any]] = None,
+                    offload: bool = True) -> TrainerT:
     """Make a Hugging Face ``Trainer`` redo a batch in slices when it runs out of memory in
     forward or backward, inside ``train()``: no restart, no lost step.
 
@@ -283,10 +284,13 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
         cost: a callable ``batch -> number`` that grows with its memory
             (``lambda b: b["attention_mask"].sum()``); default ``None``: the elements of the
             batch's tensors.
+        offload: on a GPU, when the recomputed pass still runs out of memory, redo the batch
+            with the tensors saved for backward in pinned host memory; default ``True``.
 
     Returns:
         The same trainer; ``trainer.training_step.microbatch_size`` and ``.history`` tell what
-        the last step did.
+        the last step did. The log entries gain ``memory/microbatch_size``, and
+        ``memory/recomputed_steps`` / ``memory/offloaded_steps`` once a step needed that rung.
 
     Raises:
         TypeError: ``trainer`` is not a ``Trainer``, or an option is unknown or of the wrong
@@ -308,7 +312,7 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     options: dict[str, Any] = dict(
         min_batch_size=min_batch_size, factor=factor, max_attempts=max_attempts,
         on_retry=on_retry, sync=sync, weight=weight, grow_every=grow_every, scaler=scaler,
-        recompute=recompute, cost=cost)
+        recompute=recompute, cost=cost, offload=offload)
     if reduction is not None:  # else chosen at the first step (see above)
         options["reduction"] = reduction
     _auto_microbatch(trainer.model, **options)  # the options, checked now

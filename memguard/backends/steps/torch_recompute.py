@@ -83,8 +83,11 @@ def recomputing(model: Any) -> Iterator[str]:
     hf = callable(getattr(inner, "gradient_checkpointing_enable", None)) \
         and getattr(inner, "supports_gradient_checkpointing", False)
     if hf:
-        if getattr(inner, "is_gradient_checkpointing", False) \
-                or getattr(inner, "is_activation_checkpointing", False):
+        # the new name where the class has it: the old one warns on newer transformers
+        named = "is_activation_checkpointing" if hasattr(type(inner),
+                                                         "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        if getattr(inner, named, False):
             yield "the model's own gradient checkpointing (already on)"
             return
         if callable(getattr(inner, "activation_checkpointing_enable", None)):
