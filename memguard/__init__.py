@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .backends.budget import Budget
     from .config import MemoryLimit, configure_allocator, memory_limit, tf_memory_growth
     from .history import RecordHistory, record_history
-    from .loop import Attempt, Attempts, attempts
+    from .loop import Attempt, AttemptLoop, attempts
     from .mapping import BatchResults, map_batches
     from .microbatch import MicrobatchedFunction, auto_microbatch
     from .monitor import MemoryMonitor
@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it, imported on first access
 _LAZY = {
     "Budget": ".backends.budget",
-    "Attempt": ".loop", "Attempts": ".loop", "attempts": ".loop",
+    "Attempt": ".loop", "AttemptLoop": ".loop", "attempts": ".loop",
     "BatchResults": ".mapping", "map_batches": ".mapping",
     "BatchSize": ".search", "find_batch_size": ".search",
     "MemoryLimit": ".config", "configure_allocator": ".config", "memory_limit": ".config",
@@ -68,7 +68,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Attempt", "Attempts", "BatchResults", "BatchSize", "Budget", "DeviceMemory", "InferenceMode",
+    "Attempt", "AttemptLoop", "BatchResults", "BatchSize", "Budget", "DeviceMemory",
+    "InferenceMode",
     "MemguardError", "MemoryLeakError", "MemoryLimit", "MemoryMonitor", "MemoryScope",
     "MemorySnapshot", "MicrobatchedFunction", "OutOfMemoryError", "RecordHistory",
     "RetryingFunction", "TensorInfo", "activate", "attempts", "auto_microbatch",

@@ -29,7 +29,7 @@ def start_recording(max_entries: int) -> bool:
         if not _warned:
             _warned = True
             warn_at_caller("memguard: recording memory history needs CUDA; without it "
-                           "record_history and oom_retry(snapshot_dir=...) do nothing")
+                           "record_history and oom_retry(cuda_snapshot_dir=...) do nothing")
         return False
     with _lock:  # pragma: gpu
         if _depth == 0:

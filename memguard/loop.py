@@ -80,7 +80,7 @@ class Attempt:
         memory: a snapshot taken at the failure, while the failed attempt still held its
             memory (``None`` for a success).
         snapshot_path: the CUDA memory snapshot written for the failure
-            (``oom_retry(snapshot_dir=...)``).
+            (``oom_retry(cuda_snapshot_dir=...)``).
         next_size: the size the next attempt runs at after this one failed (``None`` for a
             success, and for a failure after which no smaller size was tried).
         recompute: ``auto_microbatch`` ran this pass with the model's activations
@@ -676,7 +676,7 @@ class AttemptBlock:
         return f"<attempt {self.number} of {self.loop.who} at batch_size={self.batch_size}>"
 
 
-class Attempts(Loop):
+class AttemptLoop(Loop):
     """The loop of :func:`attempts`: iterate it, and run each attempt's work in ``with
     attempt:``. ``history`` holds the :class:`Attempt` records; ``batch_size`` the size of
     the attempt that succeeded (``None`` before one did).
@@ -708,14 +708,14 @@ class Attempts(Loop):
     def __repr__(self) -> str:
         count = len(self.attempts)
         state = "done" if self.done else "not done"
-        return (f"<Attempts {self.who!r}: batch_size={self.size}, {count} "
+        return (f"<AttemptLoop {self.who!r}: batch_size={self.size}, {count} "
                 f"attempt{'' if count == 1 else 's'}, {state}>")
 
 
 def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
              max_attempts: Optional[int] = None,
              on_retry: Optional[Callable[[Attempt], object]] = None, sync: Sync = "auto",
-             name: str = "attempts") -> Attempts:
+             name: str = "attempts") -> AttemptLoop:
     """Retry a block of code at a smaller batch size when it runs out of memory: the block
     form of :func:`oom_retry`, for code that is not a function.
 
@@ -767,4 +767,4 @@ def attempts(*, batch_size: int, min_batch_size: int = 1, factor: Factor = 0.5,
     # The guard is the place in the code, as a decorated function is its code: a loop made
     # at the same line inside another guard's attempt is the same guard (see Loop: nesting).
     caller = sys._getframe(1)  # noqa: SLF001 - the caller's line
-    return Attempts(name, start, policy, owner=("attempts", caller.f_code, caller.f_lineno))
+    return AttemptLoop(name, start, policy, owner=("attempts", caller.f_code, caller.f_lineno))

@@ -91,7 +91,7 @@ class RetryingFunction(Protocol[P, R_co]):
 class _Config:
     def __init__(self, func: Callable[..., Any], batch_size: Optional[int], arg: str,
                  policy: Policy, keep_effective_batch: bool, accumulation_arg: str,
-                 cache: Any, snapshot_dir: Optional[str], restore: tuple[Any, ...]) -> None:
+                 cache: Any, cuda_snapshot_dir: Optional[str], restore: tuple[Any, ...]) -> None:
         self.name = name_of(func)
         self.func = func
         target = getattr(func, "__func__", func)
@@ -113,7 +113,7 @@ class _Config:
         self.cache = bool(cache)
         self.file = None if isinstance(cache, bool) else SizeFile(cache)
         self.restore = restore
-        self.snapshot_dir = snapshot_dir
+        self.cuda_snapshot_dir = cuda_snapshot_dir
         # the last signature computed: (function, bound, what it was computed from, the
         # signature, its parameters' names where every one is positional-or-keyword)
         self._signature: Optional[tuple[Any, bool, tuple, inspect.Signature,
@@ -260,7 +260,7 @@ class _Run(Loop):
         # last: nothing below may raise before the caller's ``with`` owns the copy
         if cfg.restore and not self.recursive:
             self.saved = torch_state.copy_states(cfg.restore, budget_available("host"))
-        self.recording = bool(cfg.snapshot_dir) and start_recording(100_000)
+        self.recording = bool(cfg.cuda_snapshot_dir) and start_recording(100_000)
 
     def __enter__(self) -> _Run:
         return self
@@ -292,7 +292,7 @@ class _Run(Loop):
         if not self.recording:
             return None
         name = self.cfg.name.replace("<", "").replace(">", "").replace(".", "-")
-        return dump(os.path.join(str(self.cfg.snapshot_dir),
+        return dump(os.path.join(str(self.cfg.cuda_snapshot_dir),
                                  f"{name}-attempt{len(self.attempts) + 1}-{self.cfg.arg}"
                                  f"{self.size}.pickle"))
 
@@ -380,7 +380,7 @@ def oom_retry(func: None = None, /, *, batch_size: Optional[int] = None,
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
-              snapshot_dir: Optional[str] = None, restore: Any = None,
+              cuda_snapshot_dir: Optional[str] = None, restore: Any = None,
               restore_to: RestoreTo = "auto"
               ) -> Callable[[Callable[P, R]], RetryingFunction[P, R]]: ...
 
@@ -393,7 +393,7 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
               keep_effective_batch: bool = False,
               accumulation_arg: str = "accumulation_steps",
               cache: Union[bool, str, "os.PathLike[str]"] = True,
-              snapshot_dir: Optional[str] = None, restore: Any = None,
+              cuda_snapshot_dir: Optional[str] = None, restore: Any = None,
               restore_to: RestoreTo = "auto"
               ) -> Union[RetryingFunction[P, R],
                          Callable[[Callable[P, R]], RetryingFunction[P, R]]]:
@@ -461,8 +461,9 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
             size, ``factor`` and the device (written atomically under a lock; a file that is
             not memguard's is never written, a warning says why); ``reset()`` forgets this
             function's entries for this device there too.
-        snapshot_dir: record CUDA allocations during the call and write a memory snapshot
-            there for each failed attempt (see :func:`record_history`).
+        cuda_snapshot_dir: record CUDA allocations during the call and write PyTorch's
+            memory snapshot of the allocator there for each failed attempt (see
+            :func:`record_history`; :func:`snapshot` is memguard's reading of every device).
             Default ``None``: no snapshot.
         restore: objects with ``state_dict``/``load_state_dict`` (modules, optimizers, LR
             schedulers, a ``GradScaler``), Keras models (with their compiled optimizer's
@@ -509,7 +510,7 @@ def oom_retry(func: Optional[Callable[P, R]] = None, /, *,
 
     def decorate(f: Callable[P, R]) -> RetryingFunction[P, R]:
         cfg = _Config(f, batch_size, arg, policy, keep_effective_batch, accumulation_arg,
-                      cache, snapshot_dir, objects)
+                      cache, cuda_snapshot_dir, objects)
         wrapped: RetryingFunction[P, R] = _wrap(f, cfg)
         return wrapped
 

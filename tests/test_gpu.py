@@ -160,7 +160,7 @@ def test_record_history_dumps_a_snapshot_when_an_oom_passes(tmp_path):
 def test_oom_retry_writes_one_snapshot_per_failed_attempt(tmp_path):
     total = torch.cuda.mem_get_info()[1]
 
-    @memguard.oom_retry(batch_size=64, snapshot_dir=str(tmp_path))
+    @memguard.oom_retry(batch_size=64, cuda_snapshot_dir=str(tmp_path))
     def step(batch_size):
         torch.empty(batch_size * (total // 16), dtype=torch.uint8, device="cuda").fill_(1)
         return batch_size

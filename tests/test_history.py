@@ -32,7 +32,7 @@ def test_without_cuda_it_warns_once_and_does_nothing(tmp_path, fresh_warning):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 def test_oom_retry_snapshot_dir_without_cuda(tmp_path, fresh_warning):
-    @memguard.oom_retry(batch_size=4, snapshot_dir=str(tmp_path))
+    @memguard.oom_retry(batch_size=4, cuda_snapshot_dir=str(tmp_path))
     def step(batch_size):
         torch.empty(batch_size * (1 << 42) if batch_size > 1 else 1)
         return batch_size

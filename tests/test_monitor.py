@@ -278,11 +278,11 @@ def test_guards_have_readable_reprs():
     mon = memguard.MemoryMonitor(interval=0.5, devices="host")
     assert repr(mon) == "<MemoryMonitor every 0.5 s on host, stopped, 0 samples, 0 marks>"
     loop = memguard.attempts(batch_size=8)
-    assert repr(loop) == "<Attempts 'attempts': batch_size=8, 0 attempts, not done>"
+    assert repr(loop) == "<AttemptLoop 'attempts': batch_size=8, 0 attempts, not done>"
     for attempt in loop:
         with attempt:
             pass
-    assert repr(loop) == "<Attempts 'attempts': batch_size=8, 1 attempt, done>"
+    assert repr(loop) == "<AttemptLoop 'attempts': batch_size=8, 1 attempt, done>"
 
 
 def test_a_limit_the_process_had_before_is_not_labelled_memory_limit(python_in_subprocess):
