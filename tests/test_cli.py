@@ -132,10 +132,13 @@ def test_demo_refuses_a_budget_below_what_its_kernels_need():
 
 @pytest.mark.slow
 def test_demo_with_tensorflow(tmp_path):
+    # two epochs, the fewest that judge creep after the first (the torch demo above runs the
+    # default three): a TensorFlow epoch takes 3-4 s
     result = memguard("demo", "--framework", "tensorflow", "--plot", str(tmp_path / "tf.png"),
-                      timeout=300)
+                      "--epochs", "2", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tensorflow on cpu" in result.stdout and "everything held" in result.stdout
+    assert "epoch 2/2 [########################]" in result.stdout  # both epochs trained
 
 
 def test_the_demo_prints_the_size_oom_retry_runs_next_whatever_the_factor():

@@ -184,6 +184,9 @@ set_budget(650)
 
 
 def test_tensorflow_eager_and_tf_function(python_in_subprocess):
+    # TensorFlow's plain CPU allocator (TF_ENABLE_ONEDNN_OPTS=0): oneDNN's, the default, waits
+    # 10 s before it reports each out-of-memory. An out-of-memory of the default allocator is
+    # recognised in tests/test_oom_errors.py (test_real_cpu_messages_are_recognised, eager).
     out = python_in_subprocess(script(TF_SETUP, """
         eager = memguard.oom_retry(batch_size=8)(eager_attempt)
 
@@ -194,7 +197,7 @@ def test_tensorflow_eager_and_tf_function(python_in_subprocess):
             results[name] = {"value": fn(), "sizes": [a.size for a in fn.history],
                              "error": fn.history[0].error}
         print(json.dumps(results))
-    """), env=ENV, timeout=300)
+    """), env=dict(ENV, TF_ENABLE_ONEDNN_OPTS="0"), timeout=300)
     for name in ("eager", "graph"):
         assert out[name]["value"] == 4 and out[name]["sizes"] == [8, 4], out
         assert "TensorFlow allocator" in out[name]["error"]

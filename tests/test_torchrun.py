@@ -117,7 +117,10 @@ class Launchers:
             except subprocess.TimeoutExpired:
                 pass
         for _ in range(3):  # a worker could be forked while its siblings die
-            for pid in self.pids():
+            left = self.pids()
+            if not left:  # none alive: none to fork another (each child inherits the token)
+                break
+            for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -218,26 +221,27 @@ def test_a_restart_reuses_the_size_find_batch_size_found(launchers: Launchers) -
     assert not ended_by_themselves(launchers)
 
 
-def _two_nodes(launchers: Launchers, plan: str) -> dict[int, dict]:
-    """Two launchers of two ranks each, c10d rendezvous on the loopback: each rank's
-    result."""
+def _two_nodes(launchers: Launchers, *plans: str) -> dict[str, dict[int, dict]]:
+    """Two launchers of two ranks each, c10d rendezvous on the loopback, whose workers train
+    once for each of ``plans`` in turn: each plan's result of each rank."""
     port = free_port()
     for node in (0, 1):
         launchers.start(["--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
                          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                         f"--rdzv_id=nodes-{plan}", "--local_addr=127.0.0.1",
+                         "--rdzv_id=nodes", "--local_addr=127.0.0.1",
+                         # node 0 hosts the store: both on one machine would both try to,
+                         # and a lost race ended in "connection to the C10d store has failed"
+                         f"--rdzv_conf=is_host={int(node == 0)}",
                          "--max-restarts=0", "--monitor-interval=0.5",
-                         str(SCRIPTS / "ddp_worker.py"), str(launchers.out), plan],
+                         str(SCRIPTS / "ddp_worker.py"), str(launchers.out), *plans],
                         MEMGUARD_TEST_NODE=str(node))
     assert launchers.wait() == [0, 0], launchers.tails()
-    results = {int(name[4:]): data for name, data in launchers.results().items()
-               if name.startswith("rank")}
-    assert sorted(results) == [0, 1, 2, 3], launchers.tails()
+    results: dict[str, dict[int, dict]] = {plan: {} for plan in plans}
+    for name, data in launchers.results().items():
+        plan, rank = name.split("-rank")
+        results[plan][int(rank)] = data
+    assert all(sorted(results[plan]) == [0, 1, 2, 3] for plan in plans), launchers.tails()
     assert not ended_by_themselves(launchers)
-    launchers.procs.clear()
-    launchers.logs.clear()
-    for path in launchers.out.glob("*.json"):
-        path.unlink()
     return results
 
 
@@ -264,8 +268,10 @@ def _one_process(common: object, steps: int) -> list[torch.Tensor]:
 
 def test_two_nodes_on_one_machine_recover_an_oom_on_the_second_node_with_equal_weights(
         launchers: Launchers) -> None:
-    hungry_run = _two_nodes(launchers, "oom")
-    clean_run = _two_nodes(launchers, "clean")
+    # one launch, both trainings: the run without the out-of-memory first, then the run with
+    # it, each from a new model in the same process group
+    runs = _two_nodes(launchers, "clean", "oom")
+    hungry_run, clean_run = runs["oom"], runs["clean"]
     hungry = [rank for rank, r in hungry_run.items() if r["hungry"]]
     assert len(hungry) == 1, hungry_run
     assert hungry_run[hungry[0]]["node"] == 1 and hungry_run[hungry[0]]["local_rank"] == 1
