@@ -341,3 +341,34 @@ def test_an_exception_that_cannot_be_printed_is_judged_by_its_type_and_never_mas
 
     assert shrinks() == 2
     assert [a.size for a in shrinks.history] == [8, 4, 2]
+
+
+def test_an_oom_of_tensorflows_onednn_allocator_tells_once_of_its_wait(caplog, monkeypatch):
+    """oneDNN's CPU allocator waits up to 10 s before each out-of-memory it reports: the
+    first attempt that runs out of it says so, and what turns it off; no other does."""
+    from memguard import loop
+
+    monkeypatch.setattr(loop, "_told_of_wait", [])
+    caplog.set_level("WARNING", logger="memguard")
+
+    @memguard.oom_retry(batch_size=16)
+    def torch_step(batch_size):
+        if batch_size > 8:
+            raise RuntimeError(TORCH_CPU)
+        return batch_size
+
+    @memguard.oom_retry(batch_size=16)
+    def tensorflow_step(batch_size):
+        if batch_size > 4:
+            raise RuntimeError(TF_CPU)
+        return batch_size
+
+    def told():
+        return [r.getMessage() for r in caplog.records if "TF_ENABLE_ONEDNN_OPTS=0" in
+                r.getMessage()]
+
+    assert torch_step() == 8 and told() == []
+    assert tensorflow_step() == 4 and tensorflow_step.history[0].ok is False
+    assert len(told()) == 1 and "waits up to 10 s" in told()[0]  # two failures, told once
+    tensorflow_step.reset()
+    assert tensorflow_step() == 4 and len(told()) == 1
