@@ -46,9 +46,19 @@ on_full_collection: list[Callable[[], None]] = []
 one may be far above what is in use after it."""
 
 
+_full_collections = [0]  # made through collect_all, so far
+
+
+def full_collections() -> int:
+    """How many full collections :func:`collect_all` has made: a verdict that follows one
+    need not make its own."""
+    return _full_collections[0]
+
+
 def collect_all() -> None:
     """A full ``gc.collect()``, then :data:`on_full_collection`."""
     gc.collect()
+    _full_collections[0] += 1
     for hook in on_full_collection:
         hook()
 
@@ -235,14 +245,15 @@ class Backoff:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one cleanup did: bytes released, whether it collected, readings afterwards, and
-    whether it did nothing but read (``idle``: its readings are the memory as the block
-    left it)."""
+    """What one cleanup did: bytes released, whether it collected (``full``: in full),
+    readings afterwards, and whether it did nothing but read (``idle``: its readings are the
+    memory as the block left it)."""
 
     freed: int
     collected: bool
     after: Readings
     idle: bool = False
+    full: bool = False  # a full collection ran before ``after`` was read
 
 
 class Settler:
@@ -272,7 +283,7 @@ class Settler:
                 collect_all()
                 empty_caches(b for b, _ in pairs)
             after = read_all(pairs, kind)
-            return Outcome(released(now, after), True, after)
+            return Outcome(released(now, after), True, after, full=True)
         held = self._held(pairs, now, entry)
         collect = bool(held) and self._gc_ready()
         if not collect and not self._swollen(pairs, now, entry):
@@ -284,7 +295,7 @@ class Settler:
     def _act(self, pairs: Pairs, entry: Readings, kind: str, now: Readings,
              held: list[str]) -> Outcome:
         """The ``"auto"`` cleanup once a collection is due (``held``) or a cache swollen."""
-        start, collected = now, False
+        start, collected, fulls = now, False, full_collections()
         if held:
             now = self._collect(pairs, held, entry, kind)
             collected = True
@@ -304,7 +315,8 @@ class Settler:
                 collected = True
         elif not swollen:
             self._cache_last = False
-        return Outcome(released(start, now), collected, now)
+        return Outcome(released(start, now), collected, now,
+                       full=full_collections() != fulls)
 
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod

@@ -114,11 +114,13 @@ class _Call:
                 return
             try:
                 baseline = shared.baseline if shared.baseline_kind == self.kind else {}
+                collected = False  # in full, just before ``after`` was read
                 if shared.settler is None:  # cleanup="never": measure only
                     after = read_all(self.pairs, self.kind)
                 else:
-                    after = shared.settler.settle(self.pairs, _lower(self.entry, baseline),
-                                                  self.kind).after
+                    outcome = shared.settler.settle(self.pairs, _lower(self.entry, baseline),
+                                                    self.kind)
+                    after, collected = outcome.after, outcome.full
             except Exception:
                 if exc_type is None:
                     raise
@@ -136,7 +138,7 @@ class _Call:
             if passed is not None:
                 self.census = False
                 leaks.extend(passed)
-            else:
+            elif not collected:
                 # The verdict never rests on a cleanup the policy skipped or cut short (a
                 # backed-off or young-generation collection): before blaming the call,
                 # collect in full.

@@ -292,10 +292,12 @@ class MemoryScope:
                                           for d, m in self.before.devices.items()}
         settler = settler_for(self.cleanup)
         when = time.time()
+        collected = False  # in full, just before ``after`` was read
         if settler is None:
             self.after = compose(self._pairs, read_all(self._pairs), counters, when)
         else:
             outcome = settler.settle(self._pairs, entry)
+            collected = outcome.full
             self.freed = outcome.freed
             # a cleanup that only read leaves its readings and the book's counters current
             self.after = compose(self._pairs, outcome.after, counters, when) \
@@ -308,7 +310,7 @@ class MemoryScope:
                 over = {d: n for d, n in self.retained.items() if n > self.max_leak}
                 census = census_alone_passes(over, self.max_leak, lambda: created_since(
                     self._tensors_before, live_tensors()))
-            if census is None:
+            if census is None and not collected:
                 # A verdict never rests on a collection the policy found unneeded (growth
                 # under its tolerance, a young-generation pass): collect in full before
                 # blaming the block.

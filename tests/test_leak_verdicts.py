@@ -362,6 +362,35 @@ def test_a_pass_the_census_alone_decides_runs_no_full_collection():
 
 
 @needs_glibc
+@pytest.mark.parametrize("cleanup", ["auto", "always"])
+def test_a_leak_found_after_the_policys_full_collection_is_not_collected_again(cleanup):
+    """The verdict rests on a full collection; where the cleanup just made one and memory
+    stayed held, a second could free nothing more (each walks every object: 0.1 s with
+    TensorFlow's imported). One full collection a verdict, in both guards."""
+    full: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    @memguard.frees_memory(max_leak="1MiB", warmup=0, cleanup=cleanup)
+    def leaks() -> None:
+        GLOBAL.append(torch.ones(MiB))  # 4 MiB a call
+
+    gc.callbacks.append(count)
+    try:
+        with pytest.raises(memguard.MemoryLeakError):
+            with memguard.memory_scope(max_leak="1MiB", cleanup=cleanup):
+                GLOBAL.append(torch.ones(MiB))
+        in_scope = len(full)
+        with pytest.raises(memguard.MemoryLeakError):
+            leaks()
+    finally:
+        gc.callbacks.remove(count)
+    assert (in_scope, len(full) - in_scope) == (1, 1)
+
+
+@needs_glibc
 def test_a_tensor_only_old_garbage_keeps_is_collected_before_the_verdict():
     """The census that finds a tensor alive does not decide alone: the full collection runs,
     and a tensor kept only by a cycle already in the oldest generation is not blamed."""
