@@ -13,7 +13,7 @@ import memguard
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 gc.disable()  # let memguard, not Python's collector, clean up the cycles below
 
-model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 history = []
 
