@@ -224,8 +224,10 @@ class Server:
                     child.returncode = message["status"]
                     child.ended.set()
 
-    def start(self, code: str, env: dict[str, str], stdout: bool, stderr: bool) -> Process:
-        """``code`` forked with ``env``; its streams are pipes where asked, else /dev/null."""
+    def start(self, code: str, env: dict[str, str], stdout: bool, stderr: bool,
+              cwd: Optional[str] = None) -> Process:
+        """``code`` forked with ``env`` in ``cwd`` (default: this process's folder); its
+        streams are pipes where asked, else /dev/null."""
         ends = []
         for wanted in (stdout, stderr):
             if wanted:
@@ -239,7 +241,7 @@ class Server:
             ident = self.count
             self.children[ident] = child
         with tempfile.TemporaryFile("w+") as file:
-            json.dump({"code": code, "env": env, "cwd": os.getcwd()}, file)
+            json.dump({"code": code, "env": env, "cwd": cwd or os.getcwd()}, file)
             file.flush()
             file.seek(0)
             try:
@@ -264,10 +266,10 @@ _guard = threading.Lock()
 _owner = os.getpid()  # a process forked from a test process starts its own interpreters
 
 
-def popen(code: str, env: dict[str, str], stdout: bool = True,
-          stderr: bool = True) -> Union[Process, subprocess.Popen]:
-    """``code`` started as ``python -c`` with ``env`` would be (text streams: pipes where
-    asked, else /dev/null), forked from a server when :func:`eligible`."""
+def popen(code: str, env: dict[str, str], stdout: bool = True, stderr: bool = True,
+          cwd: Optional[str] = None) -> Union[Process, subprocess.Popen]:
+    """``code`` started as ``python -c`` with ``env`` in ``cwd`` would be (text streams: pipes
+    where asked, else /dev/null), forked from a server when :func:`eligible`."""
     if eligible(code) and os.getpid() == _owner:
         key = tuple(sorted((k, v) for k, v in env.items() if STARTUP.match(k)))
         with _guard:
@@ -276,17 +278,18 @@ def popen(code: str, env: dict[str, str], stdout: bool = True,
                 if len(_servers) >= 4:  # the oldest goes
                     _servers.pop(next(iter(_servers))).close()
                 server = _servers[key] = Server(env)
-        return server.start(code, env, stdout, stderr)
+        return server.start(code, env, stdout, stderr, cwd)
     pipe = subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-c", code], text=True, env=env,
+    return subprocess.Popen([sys.executable, "-c", code], text=True, env=env, cwd=cwd,
                             stdout=pipe if stdout else subprocess.DEVNULL,
                             stderr=pipe if stderr else subprocess.DEVNULL)
 
 
-def run(code: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """``code`` run to its end as ``python -c`` with ``env`` would run it; past ``timeout``
-    seconds it is killed and :class:`subprocess.TimeoutExpired` raised."""
-    proc = popen(code, env)
+def run(code: str, env: dict[str, str], timeout: float,
+        cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``code`` run to its end as ``python -c`` with ``env`` in ``cwd`` would run it; past
+    ``timeout`` seconds it is killed and :class:`subprocess.TimeoutExpired` raised."""
+    proc = popen(code, env, cwd=cwd)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
