@@ -54,13 +54,14 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'memguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # type checkers see the imports above, and no other name
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'memguard' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:

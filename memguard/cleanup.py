@@ -46,19 +46,29 @@ on_full_collection: list[Callable[[], None]] = []
 one may be far above what is in use after it."""
 
 
-_full_collections = [0]  # made through collect_all, so far
+_full_collections = [0]  # made through collect_all that found no garbage, so far
 
 
 def full_collections() -> int:
-    """How many full collections :func:`collect_all` has made: a verdict that follows one
-    need not make its own."""
+    """How many full collections :func:`collect_all` has made that found no garbage: after
+    one, a verdict's own collection could free nothing more. One that found some may have
+    run finalisers that made new garbage, which only another collection frees."""
     return _full_collections[0]
+
+
+def collect_until_clean(most: int = 3) -> None:
+    """Full collections until one finds no garbage (at most ``most``), for a leak verdict: a
+    finaliser a collection runs can make new garbage that only the next one frees."""
+    for _ in range(most):
+        if gc.collect() == 0:
+            _full_collections[0] += 1
+            return
 
 
 def collect_all() -> None:
     """A full ``gc.collect()``, then :data:`on_full_collection`."""
-    gc.collect()
-    _full_collections[0] += 1
+    if gc.collect() == 0:
+        _full_collections[0] += 1
     for hook in on_full_collection:
         hook()
 
@@ -245,15 +255,15 @@ class Backoff:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one cleanup did: bytes released, whether it collected (``full``: in full),
-    readings afterwards, and whether it did nothing but read (``idle``: its readings are the
-    memory as the block left it)."""
+    """What one cleanup did: bytes released, whether it collected (``full``: in full, finding
+    no garbage), readings afterwards, and whether it did nothing but read (``idle``: its
+    readings are the memory as the block left it)."""
 
     freed: int
     collected: bool
     after: Readings
     idle: bool = False
-    full: bool = False  # a full collection ran before ``after`` was read
+    full: bool = False  # a full collection that found no garbage ran before ``after``
 
 
 class Settler:
@@ -279,11 +289,13 @@ class Settler:
         :func:`read_all`)."""
         now = read_all(pairs, kind)
         if self.cleanup == "always":
+            fulls = full_collections()
             with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
                 collect_all()
                 empty_caches(b for b, _ in pairs)
             after = read_all(pairs, kind)
-            return Outcome(released(now, after), True, after, full=True)
+            return Outcome(released(now, after), True, after,
+                           full=full_collections() != fulls)
         held = self._held(pairs, now, entry)
         collect = bool(held) and self._gc_ready()
         if not collect and not self._swollen(pairs, now, entry):

@@ -4,7 +4,6 @@ call judged against its own entry readings for what it kept.
 
 from __future__ import annotations
 
-import gc
 import logging
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, Union, overload
@@ -15,7 +14,16 @@ from ._locks import ForkSafeLock
 from ._units import Size, parse_optional_size
 from .backends import UNKNOWN, host, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
-from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
+from .cleanup import (
+    Cleanup,
+    Pairs,
+    Readings,
+    cleanup_mode,
+    collect_until_clean,
+    interrupts_after,
+    read_all,
+    settler_for,
+)
 from .scope import (
     beyond,
     census_alone_passes,
@@ -143,7 +151,7 @@ class _Call:
                 # backed-off or young-generation collection): before blaming the call,
                 # collect in full.
                 with interrupts_after():
-                    gc.collect()
+                    collect_until_clean()
                 with shared.lock:
                     shared.baseline = after = read_all(self.pairs)
                 over = self._over(after, limit)

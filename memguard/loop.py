@@ -174,7 +174,11 @@ def _tell_of_tensorflows_wait(exc: BaseException) -> None:
     BFC allocator) waits up to 10 s for memory to be freed before it reports an
     out-of-memory, so each failed attempt costs that much; the plain allocator fails at once
     (measured: 10.0 s against 2-8 ms an out-of-memory)."""
-    if not _told_of_wait and "by allocator mklcpu" in text_of(exc):
+    if _told_of_wait:
+        return
+    source = oom_source(exc)  # in a group or a chain, the out-of-memory itself
+    if any("by allocator mklcpu" in text_of(e) for e in (exc, *chained(exc), source)
+           if e is not None):
         _told_of_wait.append(True)
         log.warning("TensorFlow's oneDNN CPU allocator (mklcpu) waits up to 10 s before it "
                     "reports an out-of-memory, each attempt that runs out; "

@@ -9,7 +9,6 @@ that happened before a newer one reset the counter.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from typing import Any, Callable, Optional, TypeVar, Union, overload
@@ -21,7 +20,16 @@ from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import Backend, Devices, Reading, check_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
-from .cleanup import Cleanup, Pairs, Readings, cleanup_mode, interrupts_after, read_all, settler_for
+from .cleanup import (
+    Cleanup,
+    Pairs,
+    Readings,
+    cleanup_mode,
+    collect_until_clean,
+    interrupts_after,
+    read_all,
+    settler_for,
+)
 from .errors import MemoryLeakError
 from .holders import describe_leaks
 from .snapshot import MemorySnapshot, compose, snapshot
@@ -304,18 +312,17 @@ class MemoryScope:
                 if outcome.idle else snapshot([d for _, d in self._pairs])
         self._measure(entry)
         census: Optional[list[TensorInfo]] = None
-        if (settler is not None and self.max_leak is not None
-                and any(n > self.max_leak for n in self.retained.values())):
+        if self.max_leak is not None and any(n > self.max_leak for n in self.retained.values()):
             if self._census:
                 over = {d: n for d, n in self.retained.items() if n > self.max_leak}
                 census = census_alone_passes(over, self.max_leak, lambda: created_since(
                     self._tensors_before, live_tensors()))
             if census is None and not collected:
-                # A verdict never rests on a collection the policy found unneeded (growth
-                # under its tolerance, a young-generation pass): collect in full before
-                # blaming the block.
+                # A verdict never rests on a collection the policy skipped ("never") or
+                # found unneeded (growth under its tolerance, a young-generation pass):
+                # collect in full before blaming the block.
                 with interrupts_after():
-                    gc.collect()
+                    collect_until_clean()
                 self.after = snapshot([d for _, d in self._pairs])
                 self._measure(entry)
         if census is not None:

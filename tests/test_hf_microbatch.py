@@ -322,12 +322,12 @@ def test_a_batch_that_fits_only_recomputed_trains_and_the_log_counts_the_steps(t
     assert trainer.training_step.history[-1].recompute
     assert not trainer.model.is_activation_checkpointing  # off again after each batch
     assert distance(trainer, reference) < 1e-5
-    counted = [(e["step"], e["memory/recomputed_steps"]) for e in trainer.state.log_history
+    counted = [(e["step"], e["memory/recomputed_batches"]) for e in trainer.state.log_history
                if "loss" in e]
     assert counted == [(2, 2.0), (4, 4.0)], trainer.state.log_history
-    assert not any("memory/offloaded_steps" in e for e in trainer.state.log_history)
+    assert not any("memory/offloaded_batches" in e for e in trainer.state.log_history)
     fitted, _ = trained(tmp_path / "whole", logging_strategy="steps", logging_steps=2)
-    assert not any("memory/recomputed_steps" in e for e in fitted.state.log_history)
+    assert not any("memory/recomputed_batches" in e for e in fitted.state.log_history)
 
 
 def test_the_smallest_slice_failing_too_ends_train_with_the_error(tmp_path):

@@ -377,17 +377,74 @@ def test_a_leak_found_after_the_policys_full_collection_is_not_collected_again(c
     def leaks() -> None:
         GLOBAL.append(torch.ones(MiB))  # 4 MiB a call
 
+    gc.collect()  # no garbage left: the cleanup's collection finds none
     gc.callbacks.append(count)
     try:
         with pytest.raises(memguard.MemoryLeakError):
             with memguard.memory_scope(max_leak="1MiB", cleanup=cleanup):
                 GLOBAL.append(torch.ones(MiB))
         in_scope = len(full)
+        gc.collect()
+        full.pop()  # this one
         with pytest.raises(memguard.MemoryLeakError):
             leaks()
     finally:
         gc.callbacks.remove(count)
     assert (in_scope, len(full) - in_scope) == (1, 1)
+
+
+class _Cycle:
+    """A reference cycle holding 16 MiB."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.tensor = torch.ones(4 * MiB)
+
+
+class _Spawner:
+    """Cyclic garbage holding 4 MiB, whose finaliser makes a new :class:`_Cycle`: garbage that
+    only a second collection frees."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.tensor = torch.ones(MiB)
+
+    def __del__(self) -> None:
+        _Cycle()
+
+
+@needs_glibc
+@pytest.mark.parametrize("cleanup", ["auto", "always"])
+def test_garbage_a_finaliser_makes_during_the_cleanups_collection_is_not_blamed(cleanup):
+    """The cleanup's full collection found garbage, and a finaliser it ran made more: the
+    verdict collects again before it blames the block (one collection only follows a full
+    one that found nothing)."""
+    @memguard.frees_memory(max_leak="1MiB", warmup=0, cleanup=cleanup)
+    def spawns() -> None:
+        spawner = _Spawner()
+        gc.collect(1)  # it reaches the oldest generation: a young pass misses it
+        del spawner
+
+    for _ in range(3):
+        with memguard.memory_scope(max_leak="1MiB", cleanup=cleanup) as scope:
+            spawner = _Spawner()
+            gc.collect(1)
+            del spawner
+        assert scope.retained["host"] < MiB
+        spawns()
+        gc.collect()
+
+
+@needs_glibc
+def test_a_verdict_under_cleanup_never_collects_in_full_before_it_blames():
+    """``cleanup="never"`` frees nothing after the block, but a verdict still rests on a full
+    collection: a cycle the block left is not a leak; a tensor it keeps is."""
+    with memguard.memory_scope(max_leak="1MiB", cleanup="never") as scope:
+        _Cycle()
+    assert scope.retained["host"] < MiB
+    with pytest.raises(memguard.MemoryLeakError):
+        with memguard.memory_scope(max_leak="1MiB", cleanup="never"):
+            GLOBAL.append(torch.ones(4 * MiB))
 
 
 @needs_glibc

@@ -218,7 +218,7 @@ def test_a_batch_that_fits_only_recomputed_trains_and_the_log_counts_the_steps()
     class Watch(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
             history = callback._step.step.history
-            seen.append((trainer.callback_metrics["memory/recomputed_steps"].item(),
+            seen.append((trainer.callback_metrics["memory/recomputed_batches"].item(),
                          [a.recompute for a in history if a.ok]))
 
     callback = MemguardCallback(microbatch=True)
@@ -226,9 +226,9 @@ def test_a_batch_that_fits_only_recomputed_trains_and_the_log_counts_the_steps()
     assert trainer.global_step == 4
     assert seen == [(float(n), [True]) for n in range(1, 5)]
     assert distance(model, reference) < 1e-5
-    assert "memory/offloaded_steps" not in trainer.callback_metrics
+    assert "memory/offloaded_batches" not in trainer.callback_metrics
     plain = fit(pl, copy.deepcopy(reference), [MemguardCallback(microbatch=True)])
-    assert "memory/recomputed_steps" not in plain.callback_metrics
+    assert "memory/recomputed_batches" not in plain.callback_metrics
     with pytest.raises(OutOfMemoryError):  # the rung turned off: one sample does not fit
         fit(pl, copy.deepcopy(model), [MemguardCallback(microbatch=True, recompute=False)])
 

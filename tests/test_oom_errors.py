@@ -372,3 +372,16 @@ def test_an_oom_of_tensorflows_onednn_allocator_tells_once_of_its_wait(caplog, m
     assert len(told()) == 1 and "waits up to 10 s" in told()[0]  # two failures, told once
     tensorflow_step.reset()
     assert tensorflow_step() == 4 and len(told()) == 1
+    # the error wrapped in another (raise ... from) or in a group (asyncio.TaskGroup): told too
+    for wrap in (lambda e: RuntimeError("the step failed"), lambda e: ExceptionGroup("g", [e])):
+        monkeypatch.setattr(loop, "_told_of_wait", [])
+        caplog.clear()
+
+        @memguard.oom_retry(batch_size=16, cache=False)
+        def wrapped(batch_size, wrap=wrap):
+            if batch_size > 4:
+                inner = RuntimeError(TF_CPU)
+                raise wrap(inner) from inner
+            return batch_size
+
+        assert wrapped() == 4 and len(told()) == 1, wrapped.history

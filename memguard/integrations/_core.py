@@ -247,26 +247,27 @@ class CallbackBase:
 
 
 class RungCounts:
-    """How many steps of a run fitted only with :func:`memguard.auto_microbatch`'s recompute or
-    offload rung, for the trainers' logs: ``memory/recomputed_steps`` and
-    ``memory/offloaded_steps``, each from the first such step on. Counts, not the last step's
-    rung, so that a step between two log entries is not missed.
+    """How many batches of a run fitted only with :func:`memguard.auto_microbatch`'s recompute
+    or offload rung, for the trainers' logs: ``memory/recomputed_batches`` and
+    ``memory/offloaded_batches``, each from the first such batch on. A batch is one call of the
+    training step: under gradient accumulation, each of an optimizer step's batches counts.
+    Counts, not the last batch's rung, so that a batch between two log entries is not missed.
 
     >>> from memguard import Attempt
     >>> counts = RungCounts()
     >>> counts.add([Attempt(size=1, ok=False), Attempt(size=1, ok=True, recompute=True)])
     >>> counts.figures()
-    {'memory/recomputed_steps': 1.0}
+    {'memory/recomputed_batches': 1.0}
     """
 
-    KEYS: ClassVar[dict[str, str]] = {"recompute": "memory/recomputed_steps",
-                                      "offload": "memory/offloaded_steps"}
+    KEYS: ClassVar[dict[str, str]] = {"recompute": "memory/recomputed_batches",
+                                      "offload": "memory/offloaded_batches"}
 
     def __init__(self) -> None:
         self.counts = dict.fromkeys(self.KEYS, 0)
 
     def add(self, history: list[Attempt]) -> None:
-        """Count the step whose attempts are ``history`` (its last one is the pass that fitted)."""
+        """Count the batch whose attempts are ``history`` (the last is the pass that fitted)."""
         if history and history[-1].ok:
             for rung in self.counts:
                 self.counts[rung] += bool(getattr(history[-1], rung))

@@ -154,8 +154,8 @@ class MicrobatchedTrainingStep:
 
     def figures(self) -> dict[str, float]:
         """``{"memory/microbatch_size": size}`` for the Trainer's log entries, with
-        ``memory/recomputed_steps`` and ``memory/offloaded_steps`` from the first step of this
-        ``train()`` that needed the rung."""
+        ``memory/recomputed_batches`` and ``memory/offloaded_batches`` from the first batch of
+        this ``train()`` that needed the rung."""
         size = self.microbatch_size
         return {} if size is None else {"memory/microbatch_size": size, **self.rungs.figures()}
 

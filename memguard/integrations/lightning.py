@@ -46,9 +46,9 @@ class MemguardCallback(CallbackBase, _pl.Callback):
     fit: the batch is redone in slices within the same optimizer step, with the unsplit
     step's gradients, also with gradient accumulation, clipping, mixed precision and DDP. A
     failed pass's ``self.log`` values are dropped. The slice size is logged as
-    ``memory/microbatch_size`` and kept in checkpoints; ``memory/recomputed_steps`` and
-    ``memory/offloaded_steps`` count the steps of the fit that needed those rungs, logged from
-    the first. See the trainers guide.
+    ``memory/microbatch_size`` and kept in checkpoints; ``memory/recomputed_batches`` and
+    ``memory/offloaded_batches`` count the batches of the fit that needed those rungs (each
+    batch of an accumulated step), logged from the first. See the trainers guide.
 
     Args:
         max_leak: from the second epoch on (the first is the warm-up), the most an epoch may
@@ -128,8 +128,11 @@ class MemguardCallback(CallbackBase, _pl.Callback):
         options: dict[str, Any] = {name: value for name, value in given.items()
                                    if value is not None}
         if options and not microbatch:
-            raise TypeError(f"MemguardCallback: {', '.join(sorted(options))} are "
-                            f"auto_microbatch's options: pass microbatch=True with them")
+            names = sorted(options)
+            raise TypeError(f"MemguardCallback: {', '.join(names)} "
+                            f"{'are' if len(names) > 1 else 'is one of'} auto_microbatch's "
+                            f"options: pass microbatch=True with "
+                            f"{'them' if len(names) > 1 else 'it'}")
         if microbatch:  # checked now, not at fit
             check_options(options)
         self.microbatch = microbatch

@@ -290,7 +290,8 @@ def auto_microbatch(trainer: TrainerT, *, min_batch_size: int = 1, factor: Facto
     Returns:
         The same trainer; ``trainer.training_step.microbatch_size`` and ``.history`` tell what
         the last step did. The log entries gain ``memory/microbatch_size``, and
-        ``memory/recomputed_steps`` / ``memory/offloaded_steps`` once a step needed that rung.
+        ``memory/recomputed_batches`` / ``memory/offloaded_batches`` once a batch needed that
+        rung (each batch of a gradient accumulation counts).
 
     Raises:
         TypeError: ``trainer`` is not a ``Trainer``, or an option is unknown or of the wrong
