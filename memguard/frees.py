@@ -122,7 +122,7 @@ class _Call:
                 return
             try:
                 baseline = shared.baseline if shared.baseline_kind == self.kind else {}
-                collected = False  # in full, just before ``after`` was read
+                collected = False  # in full, finding no garbage, just before ``after``
                 if shared.settler is None:  # cleanup="never": measure only
                     after = read_all(self.pairs, self.kind)
                 else:

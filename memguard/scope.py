@@ -300,7 +300,7 @@ class MemoryScope:
                                           for d, m in self.before.devices.items()}
         settler = settler_for(self.cleanup)
         when = time.time()
-        collected = False  # in full, just before ``after`` was read
+        collected = False  # in full, finding no garbage, just before ``after``
         if settler is None:
             self.after = compose(self._pairs, read_all(self._pairs), counters, when)
         else:

@@ -136,7 +136,7 @@ class MicrobatchedTrainingStep:
 
         self.step = step
         self.last_size: Optional[int] = None
-        self.rungs = RungCounts()  # this fit's steps that recomputed or offloaded
+        self.rungs = RungCounts()  # this fit's batches that recomputed or offloaded
         self._module: Any = pl_module
         pl_module.training_step = types.MethodType(replaced, pl_module)
 

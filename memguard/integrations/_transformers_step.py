@@ -82,7 +82,7 @@ class MicrobatchedTrainingStep:
         self._run: Any = None  # the TrainerState of the run seen last (a new one per train)
         self._seed: Optional[int] = None  # the size a resumed run starts from
         self._saved: Optional[int] = None  # the size last written into the TrainerState
-        self.rungs = RungCounts()  # this train()'s steps that recomputed or offloaded
+        self.rungs = RungCounts()  # this train()'s batches that recomputed or offloaded
 
     def _agree_calls(self, model: Any, inputs: Any) -> int:
         """Under DDP, while some rank's loss reading is not final: the most gradient-free
