@@ -18,7 +18,7 @@ from ._decorate import guard, name_of
 from ._events import emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
-from .backends import Backend, Devices, Reading, check_devices
+from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import (
     Cleanup,
@@ -32,7 +32,7 @@ from .cleanup import (
 )
 from .errors import MemoryLeakError
 from .holders import describe_leaks
-from .snapshot import MemorySnapshot, compose, snapshot
+from .snapshot import MemorySnapshot, measured
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -185,7 +185,8 @@ class MemoryScope:
     """A measured block: what it used at its peak, what it left behind, what cleanup freed.
 
     Create it with :func:`memory_scope`. After the block: ``before`` / ``after``
-    (:class:`MemorySnapshot`), ``peak`` and ``retained`` (device -> bytes), ``reserved_growth``
+    (:class:`MemorySnapshot` of what the scope reads: each device's allocated, reserved and
+    peak), ``peak`` and ``retained`` (device -> bytes), ``reserved_growth``
     (device -> signed bytes), ``freed`` (bytes released by the exit cleanup), ``elapsed``
     (seconds). ``retained`` is on what the allocators hand out (``allocated``: glibc's in-use
     bytes on the host, mmapped blocks included), so neither an untrimmed heap nor allocator
@@ -196,8 +197,6 @@ class MemoryScope:
 
     Attributes:
         name: the scope's label, or ``None``.
-        before: the :class:`MemorySnapshot` taken on entry.
-        after: the :class:`MemorySnapshot` taken after the exit cleanup.
         peak: device -> the highest allocation seen during the scope, in bytes.
         retained: device -> the bytes still handed out after cleanup, over the entry level.
         reserved_growth: device -> the change of ``reserved``, in signed bytes.
@@ -224,8 +223,10 @@ class MemoryScope:
         self._tensors_before: dict[int, Any] = {}
         self.cleanup: Cleanup = cleanup_mode(cleanup, "memory_scope")
         self.max_leak = parse_optional_size(max_leak, "memory_scope: max_leak")
-        self.before: Optional[MemorySnapshot] = None
-        self.after: Optional[MemorySnapshot] = None
+        # the snapshots are made when first read, from what the scope took: (readings, peak
+        # counters, time) under "before" and "after"
+        self._taken: dict[str, tuple[Readings, dict[str, Optional[int]], float]] = {}
+        self._snapshots: dict[str, MemorySnapshot] = {}
         self.peak: dict[str, Optional[int]] = {}
         self.retained: dict[str, int] = {}
         self.reserved_growth: dict[str, Optional[int]] = {}
@@ -254,10 +255,10 @@ class MemoryScope:
         peak_book.enter(id(self), self._pairs, counters)
         emit(f"enter {self._title()}")
         # what the block keeps is measured from here, after the scope's own entry work; the
-        # snapshot on entry takes this reading and the peak counters the book read before
-        # its reset (each a /proc read that costs tens of microseconds next to a step)
+        # snapshot on entry is this reading and the peak counters the book read before its
+        # reset (any other read costs microseconds a small step feels)
         self._entry = read_all(self._pairs)
-        self.before = compose(self._pairs, self._entry, counters, when)
+        self._took("before", self._entry, counters, when)
         self._start = time.perf_counter()
         return self
 
@@ -295,21 +296,17 @@ class MemoryScope:
         emit(f"exit {self._title()}")
         counters: dict[str, Optional[int]] = {}
         self.peak = peak_book.exit(id(self), self._pairs, counters)
-        assert self.before is not None
-        entry: Readings = self._entry or {d: Reading(m.allocated, m.reserved)
-                                          for d, m in self.before.devices.items()}
+        entry = self._entry
         settler = settler_for(self.cleanup)
         when = time.time()
         collected = False  # in full, finding no garbage, just before ``after``
         if settler is None:
-            self.after = compose(self._pairs, read_all(self._pairs), counters, when)
+            self._took("after", read_all(self._pairs), counters, when)
         else:
             outcome = settler.settle(self._pairs, entry)
             collected = outcome.full
             self.freed = outcome.freed
-            # a cleanup that only read leaves its readings and the book's counters current
-            self.after = compose(self._pairs, outcome.after, counters, when) \
-                if outcome.idle else snapshot([d for _, d in self._pairs])
+            self._took("after", outcome.after, counters, when)
         self._measure(entry)
         census: Optional[list[TensorInfo]] = None
         if self.max_leak is not None and any(n > self.max_leak for n in self.retained.values()):
@@ -323,7 +320,7 @@ class MemoryScope:
                 # collect in full before blaming the block.
                 with interrupts_after():
                     collect_until_clean()
-                self.after = snapshot([d for _, d in self._pairs])
+                self._took("after", read_all(self._pairs), counters, time.time())
                 self._measure(entry)
         if census is not None:
             self.leaks, self._census, self._tensors_before = census, False, {}
@@ -342,10 +339,33 @@ class MemoryScope:
         self._tensors_before = {}
         return self.leaks
 
+    def _took(self, when: str, readings: Readings, counters: dict[str, Optional[int]],
+              at: float) -> None:
+        self._taken[when] = (readings, counters, at)
+        self._snapshots.pop(when, None)
+
+    def _snapshot(self, when: str) -> Optional[MemorySnapshot]:
+        if when not in self._snapshots and when in self._taken:
+            self._snapshots[when] = measured(self._pairs, *self._taken[when])
+        return self._snapshots.get(when)
+
+    @property
+    def before(self) -> Optional[MemorySnapshot]:
+        """The :class:`MemorySnapshot` taken on entry (``None`` before it): each device's
+        ``allocated``, ``reserved`` and peak counter; ``free``, ``total`` and budgets, the
+        machine's, are :func:`memguard.snapshot`'s to read."""
+        return self._snapshot("before")
+
+    @property
+    def after(self) -> Optional[MemorySnapshot]:
+        """The :class:`MemorySnapshot` taken after the exit cleanup (``None`` before it), as
+        :attr:`before`."""
+        return self._snapshot("after")
+
     def _measure(self, entry: Readings) -> None:
-        assert self.after is not None
+        readings = self._taken["after"][0]
         for backend, device in self._pairs:
-            after = Reading(self.after[device].allocated, self.after[device].reserved)
+            after = readings.get(device, UNKNOWN)
             kept = growth(in_use(backend, entry[device]), in_use(backend, after))
             self.retained[device] = 0 if kept is None else max(0, kept)
             self.reserved_growth[device] = growth(entry[device].reserved, after.reserved)
@@ -438,7 +458,9 @@ class MemoryScope:
             raise TypeError(f"{self._title()} is open: a scope cannot be pickled or copied "
                             f"while it measures; close it first (leave its with block, or "
                             f"call close())")
-        return dict(self.__dict__, _pairs=[], _tensors_before={})
+        return dict(self.__dict__, _pairs=[], _tensors_before={}, _taken={},
+                    _snapshots={w: s for w in ("before", "after")
+                                 if (s := self._snapshot(w)) is not None})
 
 
 @overload

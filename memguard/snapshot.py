@@ -118,12 +118,21 @@ def snapshot(devices: Devices = None) -> MemorySnapshot:
     return MemorySnapshot(read, when, budgets=_budgets(read))
 
 
-def compose(pairs: list[tuple[Backend, str]], readings: Mapping[str, Reading],
-            peaks: Mapping[str, Optional[int]], when: float) -> MemorySnapshot:
-    """The snapshot :func:`snapshot` would take now, from ``readings`` and ``peaks`` just taken
-    (``Backend.read_with`` reads only the rest); ``when``: their ``time.time()``."""
-    read = {d: b.read_with(d, readings.get(d, UNKNOWN), peaks.get(d)) for b, d in pairs}
-    return MemorySnapshot(read, when, budgets=_budgets(read))
+def measured(pairs: list[tuple[Backend, str]], readings: Mapping[str, Reading],
+             peaks: Mapping[str, Optional[int]], when: float) -> MemorySnapshot:
+    """A snapshot of what a measurement took, reading nothing more: ``allocated``,
+    ``reserved`` and ``peak`` from ``readings`` and ``peaks``; ``free``, ``total`` and the
+    budgets, the machine's rather than the block's, are left unknown (reading them costs a
+    scope on a 0.5 ms step more than a tenth of it)."""
+    read = {}
+    for backend, device in pairs:
+        reading = readings.get(device, UNKNOWN)
+        peak, level = peaks.get(device), backend.level(reading)
+        read[device] = DeviceMemory(device, allocated=reading.allocated,
+                                    reserved=reading.reserved,
+                                    peak=peak if peak is None or level is None
+                                    else max(peak, level))
+    return MemorySnapshot(read, when)
 
 
 def _budgets(devices: Mapping[str, DeviceMemory]) -> dict[str, Budget]:

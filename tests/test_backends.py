@@ -85,6 +85,34 @@ def test_peak_reset_in_a_forked_child_resets_the_childs_peak_not_the_parents(
     assert out["child"] - out["rss"] < 100 * MiB
 
 
+def test_a_scope_in_a_process_started_by_a_big_one_reads_its_own_peak():
+    # getrusage, which the peak is read through, reports the peak of the memory map exec
+    # replaced when that is higher: a Python started (vfork and exec) by a process holding
+    # 600 MiB would read a 600 MiB peak however little it uses
+    import json
+    import subprocess
+    import sys
+
+    ballast = bytearray(600 * MiB)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    code = """if True:
+        import json, memguard
+        for _ in range(3):
+            with memguard.memory_scope() as scope:
+                block = bytearray(20 * 2**20)
+                block[::4096] = b"x" * len(block[::4096])
+                del block
+        print(json.dumps({"rise": scope.peak["host"] - scope.before["host"].reserved,
+                          "peak": scope.peak["host"]}))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    del ballast
+    found = json.loads(out.stdout)
+    assert 15 * MiB < found["rise"] < 60 * MiB, found
+    assert found["peak"] < 400 * MiB, found
+
+
 def test_physical_memory_reads_as_psutil_does():
     import psutil
 

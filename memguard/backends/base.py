@@ -193,11 +193,6 @@ class Backend(abc.ABC):
         """:meth:`read_fast`, or the cheaper reading ``kind`` names (the host's ``"resident"``)."""
         return self.read_fast(device)
 
-    def read_with(self, device: str, reading: Reading, peak: Optional[int]) -> DeviceMemory:
-        """:meth:`read`, reusing ``reading`` and ``peak`` just taken where the backend can (the host
-        reads only the rest); by default everything is read again."""
-        return self.read(device)
-
     def read_peak(self, device: str) -> Optional[int]:
         """The device's peak counter (bytes), or ``None`` if it has none.
 
