@@ -289,3 +289,18 @@ def test_a_bare_gpu_is_refused_when_the_scope_is_created_not_when_entered():
     with pytest.raises(ValueError, match="unknown device 'gpu:x'"):
         memguard.memory_scope(devices=["host", "gpu:x"])
     assert memguard.memory_scope(devices="GPU:1").devices == ("GPU:1",)
+
+
+def test_a_scopes_snapshots_hold_what_it_measured_and_pickle():
+    import pickle
+
+    with memguard.memory_scope() as scope:
+        block = torch.ones(4 * MiB // 4)
+    entry, leaving = scope.before["host"], scope.after["host"]
+    assert leaving.allocated - entry.allocated >= 4 * MiB - 64 * 1024
+    assert leaving.peak >= leaving.reserved and entry.peak >= entry.reserved
+    # the machine's figures are memguard.snapshot()'s: a scope does not pay for them
+    assert (entry.free, entry.total, dict(scope.after.budgets)) == (None, None, {})
+    copy = pickle.loads(pickle.dumps(scope))
+    assert copy.before == scope.before and copy.after == scope.after
+    del block
