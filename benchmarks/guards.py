@@ -294,15 +294,33 @@ def retry():
 def forward_memguard():
     with memguard.inference_mode(wide):
         wide(inputs)
+
+import os, resource, ctypes
+_statm = os.open("/proc/self/statm", os.O_RDONLY)
+_clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f"field{i}", ctypes.c_size_t) for i in range(10)]
+
+_mallinfo2 = ctypes.PyDLL(None).mallinfo2
+_mallinfo2.restype = _MallInfo2
+
+def reads_alone():  # what a scope must read, as bare system calls: its floor
+    resource.getrusage(resource.RUSAGE_SELF)
+    os.write(_clear_refs, b"5")
+    resource.getrusage(resource.RUSAGE_SELF)
+    os.pread(_statm, 128, 0)
+    _mallinfo2()
+    train(64)
+    resource.getrusage(resource.RUSAGE_SELF)
+    os.pread(_statm, 128, 0)
+    _mallinfo2()
 """
 """Benchmark 1f's steps: a training step of a tiny MLP (about 0.5 ms on one CPU thread) bare
 and under each guard, and a forward pass of a wider one (about 0.5 ms) under
 ``torch.no_grad()`` and under ``inference_mode``."""
 
-SCOPE_LEFT = ("left: the content of its two snapshots; each end reads /proc/self/status (the "
-              "peak), /proc/meminfo (free, total), /proc/self/cgroup and mallinfo2, and the "
-              "entry resets the peak: next to a step each such read took 25-100 us on the "
-              "2-core machine under load (1-10 us alone)")
+SCOPE_LEFT = ("left: the reads a scope cannot do without (row 'its reads alone') and its "
+              "Python around them")
 SMALL_ROWS = (
     ("1f memory_scope() decorator, 0.5 ms step", "scope_decorator", "step", "bare step",
      SCOPE_LEFT),
@@ -327,7 +345,8 @@ def small_steps(quick: bool) -> list[Result]:
     weighs most: a training step of about 0.5 ms on one CPU thread, bare and under
     ``memory_scope()`` (as a decorator and as a ``with`` block), ``frees_memory`` (cleanup
     ``"auto"``) and ``oom_retry`` (nothing runs out of memory); a forward of about 0.5 ms
-    under ``inference_mode`` against ``torch.no_grad()``.
+    under ``inference_mode`` against ``torch.no_grad()``; and the system calls a scope
+    cannot do without, bare, around the same step: the floor of a scope's cost.
 
     Measured as 1d is (:func:`_paired`): each guard against the bare step in a process of
     its own, short rounds (5 calls) in adjacent pairs, which goes first alternating; the
@@ -345,6 +364,15 @@ def small_steps(quick: bool) -> list[Result]:
                            f"median of {runs} processes' medians of {pairs} paired ratios ("
                            + ", ".join(f"{r:.3f}" for r in ratios) + ")"
                            + ("" if met else f"; {left}")))
+    ratios, peer_ms = _paired(SMALL_STEP, "reads_alone", "step", runs, pairs)
+    rows.append(Result("1f memory_scope()'s reads alone, 0.5 ms step",
+                       statistics.median(ratios) * peer_ms, peer_ms, "ms", "bare step", "-",
+                       None, "the floor of a scope's cost: the peak counter (getrusage) "
+                       "before and after, its reset (a write to /proc/self/clear_refs), the "
+                       "resident set (/proc/self/statm) and mallinfo2 at both ends, as bare "
+                       "system calls around the step; median of "
+                       f"{runs} processes' medians of {pairs} paired ratios ("
+                       + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
     return rows
 
 
