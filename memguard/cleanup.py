@@ -21,8 +21,10 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import signal
 import threading
+import time
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional, TypeVar
 
@@ -48,6 +50,60 @@ one may be far above what is in use after it."""
 
 _full_collections = [0]  # made through collect_all that found no garbage, so far
 
+#: Seconds a collection memguard needs waits for another thread's to end (CPython runs one at
+#: a time: ``gc.collect()`` returns 0 at once while another thread's runs its finalisers).
+COLLECTION_WAIT = 10.0
+_collecting: list[Optional[int]] = [None]  # the thread whose collection is under way
+_ran = threading.local()  # .found: what this thread's last full collection found
+
+
+def _watch_collections(phase: str, info: dict[str, int]) -> None:
+    # no lock here: a callback runs inside any allocation of any thread
+    if phase == "start":
+        _collecting[0] = threading.get_ident()
+    else:
+        _collecting[0] = None
+        if info.get("generation") == 2:
+            _ran.found = info.get("collected", 0) + info.get("uncollectable", 0)
+
+
+gc.callbacks.append(_watch_collections)
+if hasattr(os, "register_at_fork"):  # a collection under way in another thread stays there
+    os.register_at_fork(after_in_child=lambda: _collecting.__setitem__(0, None))
+
+
+def _collect_full() -> Optional[int]:
+    """One full ``gc.collect()`` that ran: the unreachable objects it found; ``None`` where
+    none could run (this thread is inside a collection: a finaliser called this, or another
+    thread's did not end within :data:`COLLECTION_WAIT` seconds)."""
+    me = threading.get_ident()
+    deadline = time.monotonic() + COLLECTION_WAIT
+    unexplained = 0
+    while True:
+        _ran.found = None
+        returned = gc.collect()
+        if _ran.found is not None:
+            return _ran.found
+        if _watch_collections not in gc.callbacks:  # a program cleared gc.callbacks
+            gc.callbacks.append(_watch_collections)
+            return returned
+        owner = _collecting[0]
+        if owner is None:
+            # another thread's ended just now, or none will (a child forked during one)
+            unexplained += 1
+            if unexplained < 3:
+                continue
+            return returned
+        if owner == me:  # a finaliser or weak reference callback of that collection
+            log.debug("no full collection inside one: called by a finaliser it runs")
+            return None
+        if time.monotonic() > deadline:
+            log.warning("a full collection could not run: another thread's has not ended in "
+                        "%g s", COLLECTION_WAIT)
+            return None
+        while _collecting[0] is not None and time.monotonic() < deadline:
+            time.sleep(0.001)  # another thread's collection: let it end (rare)
+
 
 def full_collections() -> int:
     """How many full collections :func:`collect_all` has made that found no garbage: after
@@ -58,16 +114,20 @@ def full_collections() -> int:
 
 def collect_until_clean(most: int = 3) -> None:
     """Full collections until one finds no garbage (at most ``most``), for a leak verdict: a
-    finaliser a collection runs can make new garbage that only the next one frees."""
+    finaliser a collection runs can make new garbage that only the next one frees. One that
+    another thread's collection kept from running waits for it to end first."""
     for _ in range(most):
-        if gc.collect() == 0:
+        found = _collect_full()
+        if found is None:
+            return
+        if found == 0:
             _full_collections[0] += 1
             return
 
 
 def collect_all() -> None:
     """A full ``gc.collect()``, then :data:`on_full_collection`."""
-    if gc.collect() == 0:
+    if _collect_full() == 0:
         _full_collections[0] += 1
     for hook in on_full_collection:
         hook()

@@ -466,3 +466,40 @@ def test_a_tensor_only_old_garbage_keeps_is_collected_before_the_verdict():
 
     for _ in range(3):
         leaves_old_garbage()
+
+
+@needs_glibc
+@pytest.mark.parametrize("guard", ["scope", "frees"])
+def test_a_verdict_while_another_thread_collects_waits_for_that_collection(guard):
+    # CPython's gc.collect() returns 0 at once while another thread's collection runs its
+    # finalisers: a verdict that took that for a collection blamed garbage it never freed
+    import threading
+
+    entered, done = threading.Event(), threading.Event()
+
+    class SlowFinaliser:
+        def __init__(self):
+            self.me = self  # a cycle: only a collection frees it
+
+        def __del__(self):
+            entered.set()
+            done.wait(0.5)  # a finaliser that takes its time
+
+    def other_thread():
+        SlowFinaliser()
+        gc.collect()
+
+    def block():
+        record = {"x": torch.ones(16 * MiB // 4)}
+        record["self"] = record  # 16 MiB in a cycle: garbage once the block ends
+
+    judged = memguard.frees_memory(block, cleanup="never", max_leak="1MiB", warmup=0) \
+        if guard == "frees" else memguard.memory_scope(cleanup="never", max_leak="1MiB")(block)
+    collector = threading.Thread(target=other_thread)
+    collector.start()
+    try:
+        assert entered.wait(10)
+        judged()  # raised MemoryLeakError: 16.0 MiB on host
+    finally:
+        done.set()
+        collector.join()
