@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import operator
 import sys
 import weakref
 from typing import Any, Callable, Optional
@@ -327,27 +328,28 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
     collecting = gc.isenabled()
     gc.disable()  # the census allocates a few objects per tensor: no collection in between
     try:
-        new, set_row = object.__new__, _ROW_SLOT.__set__
-        infos: list[TensorInfo] = []
         graphs: dict[str, Any] = {}
         rows = _census_rows(frameworks, names, graphs)
         if device is not None or min_bytes:
             rows = [row for row in rows
                     if row.nbytes >= min_bytes and _device_matches(device, row.device)]
+        rows.sort(key=_nbytes_of, reverse=True)  # the rows, not the infos: no Python call
+        shared = _shared_cache(rows, graphs)
+        new, set_row, set_cache = object.__new__, _ROW_SLOT.__set__, _CACHE_SLOT.__set__
+        infos: list[TensorInfo] = []
         add = infos.append
         for row in rows:  # every row kept: no test per row (a census makes 100,000 of them)
             info = new(TensorInfo)
             set_row(info, row)
+            set_cache(info, shared)
             add(info)
-        del rows
     finally:
         if collecting:
             gc.enable()
-    infos.sort(key=_size_of, reverse=True)
-    return _share_holders(infos, graphs)
+    return infos
 
 
-_size_of = TensorInfo.nbytes.fget  # type: ignore[attr-defined]
+_nbytes_of = operator.itemgetter(TensorRow._fields.index("nbytes"))
 # The slots' descriptors: a census fills 10,000 rows without calling __init__.
 _ROW_SLOT: Any = TensorInfo.__dict__["_row"]
 _CACHE_SLOT: Any = TensorInfo.__dict__["_cache"]
@@ -376,20 +378,24 @@ def _census_rows(frameworks: dict[str, tuple[set[type], Rows]],
         del objects
     if len(set(keys)) == len(keys):
         return rows  # no storage is shared
-    owners: dict[Any, int] = {}  # storage -> index of the row that counts it
-    for index, key in enumerate(keys):
-        previous = owners.get(key)
-        if previous is None or (rows[previous].is_view and not rows[index].is_view):
-            owners[key] = index
-    counted = set(owners.values())
+    # storage -> index of the row that counts it: the first tensor that is not a view, else
+    # the first view (fed last to first, so that the first wins; in C, not row by row)
+    views = list(map(_is_view_of, rows))
+    plain = list(map(operator.not_, views))
+    backwards = range(len(rows) - 1, -1, -1)
+    owners = dict(zip(itertools.compress(reversed(keys), reversed(views)),
+                      itertools.compress(backwards, reversed(views)), strict=True))
+    owners.update(zip(itertools.compress(reversed(keys), reversed(plain)),
+                      itertools.compress(backwards, reversed(plain)), strict=True))
     make, at = tuple.__new__, _NBYTES
-    for index, row in enumerate(rows):
-        if index not in counted:  # another tensor counts this storage (_replace, unchecked)
-            rows[index] = make(TensorRow, (*row[:at], 0, *row[at + 1:]))
+    for index in set(range(len(rows))).difference(owners.values()):
+        row = rows[index]  # another tensor counts this storage (_replace, unchecked)
+        rows[index] = make(TensorRow, (*row[:at], 0, *row[at + 1:]))
     return rows
 
 
 _NBYTES = TensorRow._fields.index("nbytes")
+_is_view_of = operator.itemgetter(TensorRow._fields.index("is_view"))
 
 
 def _trace_graphs(tensors: list[Any], rows: list[TensorRow], keys: list[Any],
@@ -455,6 +461,12 @@ HOLDER_BATCH = 10
 HOLDER_BATCH_MAX = 5120
 
 
+def _shared_cache(rows: list[TensorRow], graphs: dict[str, Any]) -> dict[str, Any]:
+    """The holder cache the infos of ``rows`` (largest first) share (:func:`_share_holders`)."""
+    return {"batch": [(row.id, row.ref) for row in rows[:HOLDER_BATCH]], "rows": rows,
+            "holders": {}, "saved": graphs.get("saved", {}), "roots": graphs.get("roots", {})}
+
+
 def _share_holders(infos: list[TensorInfo],
                    graphs: Optional[dict[str, Any]] = None) -> list[TensorInfo]:
     """Let ``infos`` (largest first) share one cache, so that asking any of the first
@@ -467,10 +479,7 @@ def _share_holders(infos: list[TensorInfo],
         for cache in caches.values():
             for part in ("saved", "roots"):
                 graphs.setdefault(part, {}).update(cache.get(part, {}))
-    shared: dict[str, Any] = {"batch": [(i.id, i._ref) for i in infos[:HOLDER_BATCH]],  # noqa: SLF001 - this module's TensorInfo
-                              "rows": [info._row for info in infos],  # noqa: SLF001 - this module's TensorInfo
-                              "holders": {}, "saved": graphs.get("saved", {}),
-                              "roots": graphs.get("roots", {})}
+    shared = _shared_cache([info._row for info in infos], graphs)  # noqa: SLF001 - this module's TensorInfo
     set_cache = _CACHE_SLOT.__set__
     for info in infos:
         set_cache(info, shared)
