@@ -11,11 +11,6 @@ from typing import Any
 
 _all: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
 
-#: How many ``os.fork()`` calls made this process (0 in the one that imported memguard): what
-#: a descriptor or reader opened in the parent checks, where ``os.getpid()`` costs a system
-#: call each time.
-FORKS = [0]
-
 
 class ForkSafeLock:
     """A ``threading.Lock`` (``threading.RLock`` with ``reentrant=True``) that a child
@@ -50,7 +45,6 @@ class ForkSafeLock:
 
 
 def _recreate_in_child() -> None:
-    FORKS[0] += 1
     for lock in list(_all):
         lock._lock = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
 

@@ -113,6 +113,35 @@ def test_a_scope_in_a_process_started_by_a_big_one_reads_its_own_peak():
     assert found["peak"] < 400 * MiB, found
 
 
+def test_a_fork_made_in_c_reads_and_resets_the_childs_own_memory(python_in_subprocess):
+    # a fork C code makes (ctypes, an extension) runs no os.register_at_fork handler: the
+    # descriptors kept open are checked against the process id, not a fork count
+    out = python_in_subprocess("""
+        import ctypes, json, os
+        import memguard
+        from memguard.backends import host
+        libc = ctypes.CDLL(None)
+        with memguard.memory_scope() as scope:
+            block = bytearray(400 * 2**20)
+            block[::4096] = b"x" * len(block[::4096])
+            del block
+            host.empty_cache()
+            read, write = os.pipe()
+            pid = libc.fork()
+            if pid == 0:
+                with memguard.memory_scope():
+                    pass
+                os.write(write, str(host.rss()).encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+        child = int(os.read(read, 64))
+        print(json.dumps({"rise": scope.peak["host"] - scope.before["host"].reserved,
+                          "child": child, "parent": host.rss()}))
+    """)
+    assert out["rise"] > 380 * MiB, out  # the child's reset did not clear the parent's peak
+    assert out["child"] < out["parent"] + 64 * MiB, out
+
+
 def test_physical_memory_reads_as_psutil_does():
     import psutil
 

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Iterable, Optional
 
-from .._locks import FORKS, ForkSafeLock
+from .._locks import ForkSafeLock
 from .base import Backend, DeviceMemory, Reading
 from .tensorflow import cpu_pool_in_use
 
@@ -90,14 +90,14 @@ class _ProcFile:
     def __init__(self, name: str) -> None:
         self.path = name if name.startswith("/") else "/proc/self/" + name
         self.fd: Optional[int] = None
-        self.forks = -1  # FORKS when the descriptor was opened
-        self.pid = -1
+        self.pid = -1  # the process that opened the descriptor
         self._buffers: list[Any] = []
 
     def read(self) -> bytes:
-        if self.fd is None or self.forks != FORKS[0]:
+        pid = os.getpid()  # a fork C code makes runs no os.register_at_fork handler
+        if self.fd is None or self.pid != pid:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.forks, self.pid = FORKS[0], os.getpid()
+            self.pid = pid
             self._buffers = []
         pread = _glibc.get("pread") if "loaded" in _glibc else _libc().get("pread")
         if pread is not None:
@@ -150,20 +150,13 @@ class HostBackend(Backend):
         self._status = _ProcFile("status")
         self._meminfo = _ProcFile("/proc/meminfo")
         self._clear_refs_fd: Optional[int] = None
-        self._clear_refs_forks = -1
+        self._clear_refs_pid = -1
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._clear_refs_ok: Optional[bool] = None
         self._sampled_peak = 0
         self._psutil_proc: Any = None
         self._quick_rss_until = 0.0  # read_quick: the resident set until then
         self._slow_mallinfo = 0  # mallinfo2 readings in a row slower than SLOW_MALLINFO
-        # read_peak through getrusage (see _rusage_peak): the least value it ever gave, and
-        # the largest resident set read since the latest reset of the high-water mark (of
-        # reset number _resets)
-        self._rusage_least: Optional[int] = None
-        self._since_reset = -1
-        self._resets = 0
-        self._rusage_forks = -1  # FORKS at the latest reset
 
     # -- small readers -------------------------------------------------------------------
     def _process(self) -> Any:
@@ -176,12 +169,7 @@ class HostBackend(Backend):
     def rss(self) -> int:
         """The resident set size of this process, in bytes."""
         if self._linux:
-            resets = self._resets
             rss = int(self._statm.read().split()[1]) * self._page
-            if rss > self._since_reset and self._clear_refs_ok:
-                with self._lock:  # kept only if no reset came between: see _rusage_peak
-                    if resets == self._resets and rss > self._since_reset:
-                        self._since_reset = rss
         else:
             rss = int(self._process().memory_info().rss)
         if rss > self._sampled_peak:
@@ -304,38 +292,8 @@ class HostBackend(Backend):
         if self._clear_refs_ok is False:
             rss = self.rss()
             return max(self._sampled_peak, rss)
-        fast = self._rusage_peak()
-        if fast is not None:
-            return fast
         rss, hwm = self._rss_and_hwm()
         return max(self._sampled_peak, rss) if hwm is None else max(hwm, rss)
-
-    def _rusage(self) -> int:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-
-    def _rusage_peak(self) -> Optional[int]:
-        """``VmHWM`` through ``getrusage`` (one system call, ~1 us, where
-        ``/proc/self/status`` costs ~9 us and 20 us next to a step), or ``None`` where that
-        may not be it.
-
-        ``getrusage`` reports the larger of ``VmHWM`` (both are the kernel's
-        ``get_mm_hiwater_rss``: the high-water mark or the resident set, whichever is higher)
-        and the peak of the memory map ``exec`` replaced: a Python started by ``vfork`` from
-        a 1 GiB process reports 1 GiB, however small it stays. That older peak is at most
-        every value ``getrusage`` has given; once one was at most a resident set read since
-        the latest reset, which ``VmHWM`` cannot fall below until the next reset, the older
-        peak is at most ``VmHWM`` and ``getrusage`` gives ``VmHWM`` itself."""
-        if not self._linux or not self._clear_refs_ok:
-            return None
-        with self._lock:
-            if self._rusage_forks != FORKS[0]:  # a fork's child: its reset is its own
-                return None
-            peak = self._rusage()
-            least = self._rusage_least = peak if self._rusage_least is None \
-                else min(self._rusage_least, peak)
-            return peak if least <= self._since_reset else None
 
     def read(self, device: str = HOST) -> DeviceMemory:
         used = self.handed_out()
@@ -357,16 +315,9 @@ class HostBackend(Backend):
                     self._clear_refs_ok = True
                 except OSError:
                     self._clear_refs_ok = False
-            if self._clear_refs_ok:
-                # the resident sets read from now on are what VmHWM cannot fall below
-                self._since_reset, self._resets = -1, self._resets + 1
-                self._sampled_peak = 0
-                since = self._rusage()
-                self._rusage_forks = FORKS[0]
-                self._rusage_least = since if self._rusage_least is None \
-                    else min(self._rusage_least, since)
-            else:
-                self._sampled_peak = self.rss()
+            # where the kernel keeps the mark, the highest resident set read since the reset
+            # stands in only if /proc/self/status lacks VmHWM
+            self._sampled_peak = 0 if self._clear_refs_ok else self.rss()
         return bool(self._clear_refs_ok)
 
     def peak_after_reset(self, device: str = HOST) -> Optional[int]:
@@ -379,10 +330,10 @@ class HostBackend(Backend):
         """Write "5" to ``/proc/self/clear_refs`` (the kernel resets ``VmHWM`` at each write)
         through a descriptor kept open: an open and close cost ten times the write. Reopened
         after ``fork``: the inherited one would reset the parent's peak."""
-        if self._clear_refs_fd is None or self._clear_refs_forks != FORKS[0]:
+        if self._clear_refs_fd is None or self._clear_refs_pid != os.getpid():
             self._clear_refs_fd = os.open("/proc/self/clear_refs",
                                           os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            self._clear_refs_forks = FORKS[0]
+            self._clear_refs_pid = os.getpid()
         os.write(self._clear_refs_fd, b"5")
 
     def empty_cache(self) -> None:
