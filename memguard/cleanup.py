@@ -50,59 +50,75 @@ one may be far above what is in use after it."""
 
 _full_collections = [0]  # made through collect_all that found no garbage, so far
 
-#: Seconds a collection memguard needs waits for another thread's to end (CPython runs one at
-#: a time: ``gc.collect()`` returns 0 at once while another thread's runs its finalisers).
+#: Seconds a collection memguard needs waits at most for another thread's to end (CPython
+#: runs one at a time: ``gc.collect()`` returns 0 at once while another thread's runs its
+#: finalisers or a program's ``gc.callbacks``).
 COLLECTION_WAIT = 10.0
 _collecting: list[Optional[int]] = [None]  # the thread whose collection is under way
+_started = [0]  # full collections begun so far, in any thread
+_ended = [(0, 0)]  # the latest full collection that ended: (its number, what it found)
 _ran = threading.local()  # .found: what this thread's last full collection found
+_stuck = [False]  # a child forked during a collection: CPython never collects there again
+_interrupts = [0]  # Ctrl-C held back by interrupts_after so far: a wait gives way to one
 
 
 def _watch_collections(phase: str, info: dict[str, int]) -> None:
     # no lock here: a callback runs inside any allocation of any thread
+    full = info.get("generation") == 2
     if phase == "start":
         _collecting[0] = threading.get_ident()
+        if full:
+            _started[0] += 1
     else:
         _collecting[0] = None
-        if info.get("generation") == 2:
-            _ran.found = info.get("collected", 0) + info.get("uncollectable", 0)
+        if full:
+            found = info.get("collected", 0) + info.get("uncollectable", 0)
+            _ran.found = found
+            _ended[0] = (_started[0], found)  # one collection at a time: it is the latest
+
+
+def _forked() -> None:
+    _stuck[0] = _collecting[0] is not None
+    _collecting[0] = None
 
 
 gc.callbacks.append(_watch_collections)
-if hasattr(os, "register_at_fork"):  # a collection under way in another thread stays there
-    os.register_at_fork(after_in_child=lambda: _collecting.__setitem__(0, None))
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _collect_full() -> Optional[int]:
-    """One full ``gc.collect()`` that ran: the unreachable objects it found; ``None`` where
-    none could run (this thread is inside a collection: a finaliser called this, or another
-    thread's did not end within :data:`COLLECTION_WAIT` seconds)."""
+    """One full collection begun after this call: the unreachable objects it found (this
+    thread's ``gc.collect()``, or, where another thread's collection kept that from running,
+    the next full one that thread begins); ``None`` where none could run (this thread is
+    inside a collection: a finaliser called this; a child forked during one; a wait past
+    :data:`COLLECTION_WAIT` seconds, or cut short by Ctrl-C)."""
+    if _stuck[0]:
+        return None
     me = threading.get_ident()
+    asked, interrupts = _started[0], _interrupts[0]
     deadline = time.monotonic() + COLLECTION_WAIT
-    unexplained = 0
     while True:
         _ran.found = None
-        returned = gc.collect()
+        gc.collect()
         if _ran.found is not None:
             return _ran.found
-        if _watch_collections not in gc.callbacks:  # a program cleared gc.callbacks
+        if _watch_collections not in gc.callbacks:  # a program took it out: put it back
             gc.callbacks.append(_watch_collections)
-            return returned
-        owner = _collecting[0]
-        if owner is None:
-            # another thread's ended just now, or none will (a child forked during one)
-            unexplained += 1
-            if unexplained < 3:
-                continue
-            return returned
-        if owner == me:  # a finaliser or weak reference callback of that collection
+            continue
+        number, found = _ended[0]
+        if number > asked:  # another thread's, begun after this call: it saw the same heap
+            return found
+        if _collecting[0] == me:  # a finaliser or weak reference callback of that collection
             log.debug("no full collection inside one: called by a finaliser it runs")
+            return None
+        if _interrupts[0] != interrupts:
             return None
         if time.monotonic() > deadline:
             log.warning("a full collection could not run: another thread's has not ended in "
                         "%g s", COLLECTION_WAIT)
             return None
-        while _collecting[0] is not None and time.monotonic() < deadline:
-            time.sleep(0.001)  # another thread's collection: let it end (rare)
+        time.sleep(0.001)  # another thread's collection is under way (rare): let it end
 
 
 def full_collections() -> int:
@@ -112,17 +128,19 @@ def full_collections() -> int:
     return _full_collections[0]
 
 
-def collect_until_clean(most: int = 3) -> None:
+def collect_until_clean(most: int = 3) -> bool:
     """Full collections until one finds no garbage (at most ``most``), for a leak verdict: a
     finaliser a collection runs can make new garbage that only the next one frees. One that
-    another thread's collection kept from running waits for it to end first."""
+    another thread's collection kept from running waits for it. False where none could run
+    (see :func:`_collect_full`): a verdict then has nothing to rest on."""
     for _ in range(most):
         found = _collect_full()
         if found is None:
-            return
+            return False
         if found == 0:
             _full_collections[0] += 1
-            return
+            return True
+    return True
 
 
 def collect_all() -> None:
@@ -272,7 +290,12 @@ def interrupts_after() -> Iterator[None]:
         yield
         return
     caught: list[int] = []
-    signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+
+    def hold(number: int, frame: Any) -> None:
+        caught.append(number)
+        _interrupts[0] += 1
+
+    signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:

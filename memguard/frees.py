@@ -151,9 +151,14 @@ class _Call:
                 # backed-off or young-generation collection): before blaming the call,
                 # collect in full.
                 with interrupts_after():
-                    collect_until_clean()
+                    collected = collect_until_clean()
                 with shared.lock:
                     shared.baseline = after = read_all(self.pairs)
+                if not collected:
+                    log.warning("%s not judged for max_leak: no full collection could run "
+                                "before the verdict (see the log line above)", shared.what)
+                    self.tensors = {}
+                    return
                 over = self._over(after, limit)
 
         def created() -> list[TensorInfo]:

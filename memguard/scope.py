@@ -9,9 +9,11 @@ that happened before a newer one reset the counter.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union, overload
 
 from ._checks import flag
 from ._decorate import guard, name_of
@@ -49,7 +51,7 @@ class _PeakBook:
               counters: Optional[dict[str, Optional[int]]] = None) -> None:
         """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
         peak counter as read before its reset."""
-        with self._lock:
+        with _no_collection(), self._lock:
             for backend, device in pairs:
                 running = self._open.setdefault(device, {})
                 counter = _safe(backend.read_peak, device)
@@ -67,7 +69,7 @@ class _PeakBook:
         """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
         (where given) receives each device's peak counter as read."""
         peaks: dict[str, Optional[int]] = {}
-        with self._lock:
+        with _no_collection(), self._lock:
             for backend, device in pairs:
                 running = self._open.get(device, {})
                 value = running.pop(token, -1)
@@ -79,6 +81,19 @@ class _PeakBook:
                 best = max(value, -1 if counter is None else counter)
                 peaks[device] = None if best < 0 else best
         return peaks
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection while the book is locked: a finaliser it runs could open a scope
+    in this thread and wait for ever on the book's lock."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _safe(method: Callable[[str], Any], device: str) -> Any:
@@ -235,6 +250,7 @@ class MemoryScope:
         self._pairs: Pairs = []
         self._entry: Readings = {}
         self._census = False  # tensors recorded on entry: a census can tell what was created
+        self._uncollected = False  # the verdict's collection could not run: no verdict
         self._start = 0.0
         self._active = False
 
@@ -248,6 +264,7 @@ class MemoryScope:
         self._pairs = resolve_devices(self.devices)
         self._active = True
         self._census = self.track_tensors or census_needed(self.max_leak)
+        self._uncollected = False
         if self._census:
             self._tensors_before = tensor_ids()
         when = time.time()
@@ -278,7 +295,7 @@ class MemoryScope:
 
     def _judge(self, exc_type: Any) -> None:
         """Raise (or, when the block raised, log) the ``max_leak`` verdict."""
-        if self.max_leak is not None:
+        if self.max_leak is not None and not self._uncollected:
             over = beyond(self.retained, self.max_leak, self._created)
             if over:
                 message = leak_message(self._title(), over, self.max_leak,
@@ -319,9 +336,12 @@ class MemoryScope:
                 # found unneeded (growth under its tolerance, a young-generation pass):
                 # collect in full before blaming the block.
                 with interrupts_after():
-                    collect_until_clean()
+                    self._uncollected = not collect_until_clean()
                 self._took("after", read_all(self._pairs), counters, time.time())
                 self._measure(entry)
+                if self._uncollected:
+                    log.warning("%s not judged for max_leak: no full collection could run "
+                                "before the verdict (see the log line above)", self._title())
         if census is not None:
             self.leaks, self._census, self._tensors_before = census, False, {}
         elif self.track_tensors:

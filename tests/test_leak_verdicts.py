@@ -503,3 +503,89 @@ def test_a_verdict_while_another_thread_collects_waits_for_that_collection(guard
     finally:
         done.set()
         collector.join()
+
+
+@needs_glibc
+def test_a_programs_gc_callback_that_lets_the_gil_go_does_not_fake_a_collection():
+    # CPython still counts a collection as running while the callbacks after memguard's
+    # run: one that sleeps let the verdict's gc.collect() return 0 without collecting
+    import threading
+
+    in_stop, released = threading.Event(), threading.Event()
+
+    def slow_statistics(phase, info):
+        if phase == "stop" and threading.current_thread().name == "collector":
+            in_stop.set()
+            released.wait(0.3)  # a blocking write of the statistics
+
+    gc.callbacks.append(slow_statistics)
+    collector = threading.Thread(target=gc.collect, name="collector")
+    try:
+        collector.start()
+        assert in_stop.wait(10)
+        with memguard.memory_scope(max_leak="4MiB", cleanup="never") as scope:
+            junk = [bytearray(16 * MiB)]
+            junk.append(junk)  # 16 MiB of garbage in a cycle, nothing kept
+            del junk
+        assert scope.retained["host"] < 4 * MiB
+    finally:
+        released.set()
+        collector.join()
+        gc.callbacks.remove(slow_statistics)
+
+
+def test_a_thread_collecting_in_a_loop_does_not_starve_a_verdicts_collection():
+    # each collection of the other thread runs finalisers that wait: its next one begins
+    # before a poll sees a gap, so the verdict takes the first one begun after it asked
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    class Slow:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            stop.wait(0.003)
+
+    def collect_in_a_loop():
+        while not stop.is_set():
+            for _ in range(5):
+                Slow()
+            gc.collect()
+
+    worker = threading.Thread(target=collect_in_a_loop)
+    worker.start()
+    try:
+        start = time.perf_counter()
+        memguard.free_memory()
+        assert time.perf_counter() - start < 2  # waited the 10 s limit before
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_a_verdict_inside_a_finaliser_is_not_taken_on_memory_no_collection_freed(caplog):
+    # a collection cannot run inside another one: the verdict has nothing to rest on
+    seen = {}
+
+    class Owner:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            try:
+                with memguard.memory_scope(max_leak="4MiB", cleanup="never"):
+                    junk = [bytearray(16 * MiB)]
+                    junk.append(junk)
+                    del junk
+                seen["scope"] = "no error"
+            except memguard.MemoryLeakError as exc:
+                seen["scope"] = str(exc)
+
+    Owner()
+    with caplog.at_level("WARNING", logger="memguard"):
+        gc.collect()
+    assert seen == {"scope": "no error"}
+    assert "not judged for max_leak" in caplog.text

@@ -320,3 +320,26 @@ def test_a_finaliser_calling_the_function_during_its_cleanup_does_not_deadlock(
         print(json.dumps({"calls": calls}))
     """, timeout=60)
     assert out["calls"] == [True, False]
+
+
+def test_a_finaliser_that_opens_a_scope_never_waits_on_memguard_itself():
+    # a collection started inside the peak book's locked section ran a finaliser whose
+    # scope waited for ever on that lock
+    result = run_python("""
+        import json, memguard
+
+        class Resource:
+            def __init__(self):
+                self.me = self  # freed by a collection
+
+            def __del__(self):
+                with memguard.memory_scope():
+                    pass
+
+        for i in range(5000):
+            Resource()
+            with memguard.memory_scope():
+                junk = [{} for _ in range(20)]
+        print(json.dumps({"done": i + 1}))
+    """, timeout=60)
+    assert result["done"] == 5000
