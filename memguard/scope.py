@@ -263,6 +263,10 @@ class MemoryScope:
 
         self._pairs = resolve_devices(self.devices)
         self._active = True
+        if self._taken:  # entered again: the last block's results are not this one's
+            self._taken, self._snapshots, self.leaks = {}, {}, []
+            self.peak, self.retained, self.reserved_growth = {}, {}, {}
+            self.freed, self.elapsed = 0, None
         self._census = self.track_tensors or census_needed(self.max_leak)
         self._uncollected = False
         if self._census:

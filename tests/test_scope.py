@@ -304,3 +304,15 @@ def test_a_scopes_snapshots_hold_what_it_measured_and_pickle():
     copy = pickle.loads(pickle.dumps(scope))
     assert copy.before == scope.before and copy.after == scope.after
     del block
+
+
+def test_a_scope_entered_again_shows_none_of_its_last_results_while_open():
+    scope = memguard.memory_scope("epoch")
+    with scope:
+        block = torch.ones(8 * MiB // 4)
+    assert scope.after is not None and scope.retained["host"] > 0
+    with scope:
+        assert "(open)" in str(scope)
+        assert scope.after is None and scope.peak == {} and scope.retained == {}
+        del block
+    assert scope.after is not None and "host" in scope.peak

@@ -81,8 +81,7 @@ class _ProcFile:
     costs more than the read; the kernel writes the file afresh at every read).
 
     The descriptor is reopened after ``fork`` (an inherited one would read the parent).
-    Read through glibc's ``pread`` with the interpreter lock held where glibc is there, into
-    a buffer no other thread uses meanwhile (taken from a list and put back: both atomic).
+    Read through glibc's ``pread`` with the interpreter lock held where glibc is there.
     """
 
     SIZE = 4096
@@ -91,23 +90,22 @@ class _ProcFile:
         self.path = name if name.startswith("/") else "/proc/self/" + name
         self.fd: Optional[int] = None
         self.pid = -1  # the process that opened the descriptor
-        self._buffers: list[Any] = []
+        self._lock = ForkSafeLock()  # guards the buffer
+        self._buffer: Any = None
 
     def read(self) -> bytes:
         pid = os.getpid()  # a fork C code makes runs no os.register_at_fork handler
         if self.fd is None or self.pid != pid:
             self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self.pid = pid
-            self._buffers = []
-        pread = _glibc.get("pread") if "loaded" in _glibc else _libc().get("pread")
+        pread = _libc().get("pread")
         if pread is not None:
-            buffer = self._buffers.pop() if self._buffers else _glibc["buffer"](self.SIZE)
-            try:
-                size = pread(self.fd, buffer, self.SIZE, 0)
+            with self._lock:
+                if self._buffer is None:
+                    self._buffer = _glibc["buffer"](self.SIZE)
+                size = pread(self.fd, self._buffer, self.SIZE, 0)
                 if size >= 0:
-                    return buffer[:size]  # one copy (.raw copies the whole buffer)
-            finally:
-                self._buffers.append(buffer)
+                    return self._buffer[:size]  # one copy (.raw copies the whole buffer)
         return os.pread(self.fd, self.SIZE, 0)
 
     def close(self) -> None:
