@@ -19,6 +19,7 @@ from ._checks import positive_int
 from ._units import Size, format_bytes, format_table, parse_size
 from .backends import check_device, resolve_devices
 from .backends.base import TensorRow
+from .cleanup import no_collection
 from .holders import HOLDER_DEPTH, HOLDER_PATHS, HOLDER_SECONDS, walk_holders
 
 Rows = Callable[[list[Any], dict[int, str]], tuple[list[TensorRow], list[Any]]]
@@ -325,9 +326,7 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
             raise TypeError(f"live_tensors: model must be a torch.nn.Module, got "
                             f"{type(model).__name__}")
         names = torch_backend.parameter_names(model)
-    collecting = gc.isenabled()
-    gc.disable()  # the census allocates a few objects per tensor: no collection in between
-    try:
+    with no_collection():  # the census allocates a few objects per tensor
         graphs: dict[str, Any] = {}
         rows = _census_rows(frameworks, names, graphs)
         if device is not None or min_bytes:
@@ -343,9 +342,6 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
             set_row(info, row)
             set_cache(info, shared)
             add(info)
-    finally:
-        if collecting:
-            gc.enable()
     return infos
 
 

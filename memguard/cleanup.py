@@ -121,6 +121,19 @@ def _collect_full() -> Optional[int]:
         time.sleep(0.001)  # another thread's collection is under way (rare): let it end
 
 
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """No garbage collection in the block (as the program had it after): for work that
+    allocates per tensor (a census), or that holds a lock a finaliser could wait on."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def full_collections() -> int:
     """How many full collections :func:`collect_all` has made that found no garbage: after
     one, a verdict's own collection could free nothing more. One that found some may have

@@ -9,11 +9,9 @@ that happened before a newer one reset the counter.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
-from typing import Any, Callable, Iterator, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._checks import flag
 from ._decorate import guard, name_of
@@ -29,6 +27,7 @@ from .cleanup import (
     cleanup_mode,
     collect_until_clean,
     interrupts_after,
+    no_collection,
     read_all,
     settler_for,
 )
@@ -51,7 +50,9 @@ class _PeakBook:
               counters: Optional[dict[str, Optional[int]]] = None) -> None:
         """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
         peak counter as read before its reset."""
-        with _no_collection(), self._lock:
+        # no collection while locked: a finaliser it runs could open a scope in this thread
+        # and wait for ever on the lock
+        with no_collection(), self._lock:
             for backend, device in pairs:
                 running = self._open.setdefault(device, {})
                 counter = _safe(backend.read_peak, device)
@@ -69,7 +70,7 @@ class _PeakBook:
         """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
         (where given) receives each device's peak counter as read."""
         peaks: dict[str, Optional[int]] = {}
-        with _no_collection(), self._lock:
+        with no_collection(), self._lock:  # as in enter
             for backend, device in pairs:
                 running = self._open.get(device, {})
                 value = running.pop(token, -1)
@@ -81,19 +82,6 @@ class _PeakBook:
                 best = max(value, -1 if counter is None else counter)
                 peaks[device] = None if best < 0 else best
         return peaks
-
-
-@contextlib.contextmanager
-def _no_collection() -> Iterator[None]:
-    """No garbage collection while the book is locked: a finaliser it runs could open a scope
-    in this thread and wait for ever on the book's lock."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _safe(method: Callable[[str], Any], device: str) -> Any:

@@ -328,10 +328,11 @@ class HostBackend(Backend):
         """Write "5" to ``/proc/self/clear_refs`` (the kernel resets ``VmHWM`` at each write)
         through a descriptor kept open: an open and close cost ten times the write. Reopened
         after ``fork``: the inherited one would reset the parent's peak."""
-        if self._clear_refs_fd is None or self._clear_refs_pid != os.getpid():
+        pid = os.getpid()
+        if self._clear_refs_fd is None or self._clear_refs_pid != pid:
             self._clear_refs_fd = os.open("/proc/self/clear_refs",
                                           os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            self._clear_refs_pid = os.getpid()
+            self._clear_refs_pid = pid
         os.write(self._clear_refs_fd, b"5")
 
     def empty_cache(self) -> None:
