@@ -17,6 +17,7 @@ microseconds, so the ``"auto"`` policy reads first and acts only on what it sees
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -77,12 +78,36 @@ def _watch_collections(phase: str, info: dict[str, int]) -> None:
             _ended[0] = (_started[0], found)  # one collection at a time: it is the latest
 
 
+# Whether CPython's own "collecting" flag is up, which it gives no way to read: a collection
+# is under way from the first "start" callback to the last "stop" one. C-level callbacks at
+# both ends of gc.callbacks record it, as a Python one cannot: a thread switch can come at its
+# first bytecode, after the flag went up, and a child forked there never collects again.
+_first = collections.OrderedDict.fromkeys(("start", "stop"))  # last key: the latest phase begun
+_last = collections.OrderedDict.fromkeys(("start", "stop"))  # last key: the latest phase ended
+
+
+def _under_way() -> bool:
+    return next(reversed(_first)) == "start" or next(reversed(_last)) == "start"
+
+
 def _forked() -> None:
-    _stuck[0] = _collecting[0] is not None
+    _stuck[0] = _collecting[0] is not None or _under_way()
     _collecting[0] = None
 
 
-gc.callbacks.append(_watch_collections)
+_HEAD: list[Any] = [_first.move_to_end]  # called (phase, info): info is a truthy ``last``
+_TAIL: list[Any] = [_watch_collections, _last.move_to_end]
+
+
+def _watch() -> None:
+    """memguard's gc callbacks first and last in ``gc.callbacks``, as a program may have
+    cleared the list or added its own at either end since."""
+    callbacks: list[Any] = gc.callbacks
+    if callbacks[:1] != _HEAD or callbacks[-2:] != _TAIL:
+        callbacks[:] = _HEAD + [c for c in callbacks if c not in _HEAD + _TAIL] + _TAIL
+
+
+_watch()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
@@ -99,13 +124,11 @@ def _collect_full() -> Optional[int]:
     asked, interrupts = _started[0], _interrupts[0]
     deadline = time.monotonic() + COLLECTION_WAIT
     while True:
+        _watch()
         _ran.found = None
         gc.collect()
         if _ran.found is not None:
             return _ran.found
-        if _watch_collections not in gc.callbacks:  # a program took it out: put it back
-            gc.callbacks.append(_watch_collections)
-            continue
         number, found = _ended[0]
         if number > asked:  # another thread's, begun after this call: it saw the same heap
             return found
