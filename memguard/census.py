@@ -201,7 +201,31 @@ class TensorInfo:
             for ident, paths in zip(targets, found, strict=True):
                 if in_time or paths or ident == self.id:  # the rest: asked again, walked again
                     known[ident] = paths
+            self._through_views({i: t for i, t in targets.items() if known.get(i) == []},
+                                known)
         targets.clear()
+
+    def _through_views(self, bases: dict[int, Any], known: dict[int, list[str]]) -> None:
+        """The holders of a tensor nothing in Python refers to but a live view of it: torch
+        keeps a view's base alive in C++, where no referrer walk sees it (a 16 MiB base read
+        "holder not found" while ``KEPT['x'] = t[1:2]`` held it)."""
+        if not bases:
+            return
+        idents: list[int] = []
+        views: list[Any] = []  # the walk's targets: it never walks through this list
+        for row in self._cache.get("rows", ()):
+            if row.is_view and row.ref is not None:
+                base = getattr(row.ref(), "_base", None)
+                if base is not None and bases.get(id(base)) is base:
+                    idents.append(id(base))
+                    views.append(row.ref())
+                base = None
+        if views:
+            found, _ = walk_holders(views, HOLDER_DEPTH, HOLDER_PATHS, HOLDER_SECONDS)
+            views.clear()
+            for ident, paths in zip(idents, found, strict=True):
+                known[ident].extend(f"{path} (a view of it)" for path in paths
+                                    if len(known[ident]) < HOLDER_PATHS)
 
     def _batch(self, known: dict[int, list[str]]) -> list[tuple[int, Any]]:
         """``(id, weak reference)`` of the tensors to walk for: this one and the next ones of

@@ -112,7 +112,7 @@ class _Walk:
                 self.locals.setdefault(id(value), []).append(
                     f"frame {frame.f_code.co_name}() local '{name}'")
         self.indexed: dict[int, tuple[dict[int, int], Optional[list], int]] = {}
-        self.delegations: dict[int, str] = {}
+        self.delegations: dict[int, tuple[str, Any]] = {}
         self.slots: dict[int, list[tuple[str, Any]]] = {}
         self.late = False  # a pass cut short by the deadline
         self.kept: list[Any] = []  # what the ids above name: alive while the walk runs
@@ -158,9 +158,9 @@ class _Walk:
             self.kept.append(kind)
         return found
 
-    def delegation(self, suspended: Any) -> str:
+    def delegation(self, suspended: Any) -> tuple[str, Any]:
         """What delegates to a suspended generator or coroutine (``yield from``, ``await``),
-        outermost first, as ``generator epoch() yield from ``."""
+        outermost first, as ``generator epoch() yield from ``, and the outermost one."""
         known = self.delegations.get(id(suspended))
         if known is not None:
             return known
@@ -173,7 +173,8 @@ class _Walk:
             words.append(f"{outer.__qualname__}() {_SUSPENDED[type(outer)][3]} ")
             inner = outer
         kind = _SUSPENDED[type(inner)][0]
-        found = self.delegations[id(suspended)] = f"{kind} " + "".join(reversed(words))
+        found = self.delegations[id(suspended)] = (
+            f"{kind} " + "".join(reversed(words)), inner)
         self.kept.append(suspended)
         return found
 
@@ -305,7 +306,9 @@ def walk_holders(targets: list[Any], max_depth: int, max_paths: int, seconds: fl
                     root = _root(ref, obj, suffix, as_attribute, walk)
                     if type(root) is _Instance:  # go on to the name that roots the instance
                         instances[index].append(root)
-                        upcoming.append((index, ref, root.attribute, None))
+                        above = ref if root.origin is None else root.origin
+                        seen[index].add(id(above))
+                        upcoming.append((index, above, root.attribute, None))
                         continue
                     if root is not None:
                         add(index, root)
@@ -322,12 +325,14 @@ def walk_holders(targets: list[Any], max_depth: int, max_paths: int, seconds: fl
         pairs.clear()
         del pairs
         frontier = upcoming
+    best = []
     for found, fallback in zip(paths, instances, strict=True):
-        # an instance whose attribute path no rooted path ends with was rooted nowhere the
-        # walk reached: its own form is the best name there is
-        found.extend(path for path in dict.fromkeys(fallback) if path
-                     and not any(other.endswith(path.attribute) for other in found))
-    best = [[str(path) for path in sorted(found, key=len)[:max_paths]] for found in paths]
+        # an instance whose attribute path is in no rooted path was rooted nowhere the walk
+        # reached (in, not at the end: an lru_cache's words close a path): its own form is
+        # the best name there is, after every rooted path, however short
+        unrooted = sorted((path for path in dict.fromkeys(fallback) if path
+                           and not any(path.attribute in other for other in found)), key=len)
+        best.append([str(path) for path in (sorted(found, key=len) + unrooted)[:max_paths]])
     return best, in_time and not walk.late
 
 
@@ -386,7 +391,8 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
             position = int(index) if index.lstrip("-").isdigit() else None
             if position is not None and -len(cells) <= position < len(cells):
                 name = ref.__code__.co_freevars[position]
-                return f"function {ref.__qualname__}() closure '{name}'{rest}"
+                text = f"function {ref.__qualname__}() closure '{name}'{rest}"
+                return _Instance(text, f", {text}")  # go on to what holds the function
         return ""
     if kind is types.CellType:
         return None if ref.cell_contents is obj else ""
@@ -419,13 +425,16 @@ def _root(ref: Any, obj: Any, suffix: str, as_attribute: Optional[str],
 
 class _Instance(str):
     """An instance's attribute path (``Holder object .t``), kept only when no root is found past
-    the instance."""
+    the instance; the walk goes on from ``origin`` (where given: the outermost of generators
+    that delegate) or the instance, with ``attribute`` as the rest of the path."""
 
     attribute: str
+    origin: Any
 
-    def __new__(cls, text: str, attribute: str) -> "_Instance":
+    def __new__(cls, text: str, attribute: str, origin: Any = None) -> "_Instance":
         made = super().__new__(cls, text)
         made.attribute = attribute
+        made.origin = origin
         return made
 
 
@@ -469,7 +478,9 @@ def _suspended_root(ref: Any, obj: Any, suffix: str, walk: _Walk) -> str:
     name = next((key for key, value in frame.f_locals.items() if value is obj), None)
     if name is None:
         return ""
-    return f"{walk.delegation(ref)}{ref.__qualname__}() local '{name}'{suffix}"
+    words, outermost = walk.delegation(ref)
+    text = f"{words}{ref.__qualname__}() local '{name}'{suffix}"
+    return _Instance(text, f", {text}", outermost)  # go on to what holds the generator
 
 
 def _nbytes(info: TensorInfo) -> int:

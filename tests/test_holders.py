@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import itertools
 import logging
 import re
 
@@ -204,7 +205,9 @@ def test_holder_is_a_suspended_generators_local():
     GENERATORS.append(numbers())
     next(GENERATORS[0])
     tensor = GENERATORS[0].gi_frame.f_locals["activations"]
-    assert "generator numbers() local 'activations'" in holders(tensor)
+    # past the generator to the name that holds it
+    assert (f"module {__name__}, global GENERATORS[0], generator numbers() local "
+            "'activations'") in holders(tensor)
 
 
 def test_holder_is_a_local_of_a_generator_suspended_inside_another():
@@ -212,7 +215,15 @@ def test_holder_is_a_local_of_a_generator_suspended_inside_another():
     next(GENERATORS[0])
     next(GENERATORS[0])  # now suspended in numbers(), through yield from
     tensor = GENERATORS[0].gi_yieldfrom.gi_frame.f_locals["activations"]
-    assert "generator delegating() yield from numbers() local 'activations'" in holders(tensor)
+    assert (f"module {__name__}, global GENERATORS[0], generator delegating() yield from "
+            "numbers() local 'activations'") in holders(tensor)
+
+
+def test_a_generator_held_where_the_walk_names_nothing_is_named_by_itself():
+    hidden = itertools.repeat(numbers())  # an iterator's state: no path goes through it
+    next(next(hidden))
+    tensor = next(hidden).gi_frame.f_locals["activations"]
+    assert "generator numbers() local 'activations'" in holders(tensor)
 
 
 # -- many holders, few walks ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 import warnings
 import weakref
@@ -62,6 +63,10 @@ def test_a_view_of_a_temporary_counts_its_storage_once():
     assert sum(i.nbytes for i in sharing) == 4_000_000
     assert [i.is_view for i in sharing if i.nbytes] == [False]
     assert [(i.is_view, i.nbytes) for i in sharing if i.id == id(view)] == [(True, 0)]
+    # the base that counts the bytes is named through the view that keeps it
+    base = next(i for i in sharing if i.nbytes)
+    assert base.held_by == ("held by frame test_a_view_of_a_temporary_counts_its_storage_once() "
+                            "local 'view' (a view of it)")
 
 
 def test_tensors_that_own_no_memory_are_left_out_without_error():
@@ -187,8 +192,18 @@ def test_holder_through_a_dict_and_a_closure():
     fn = make()
     assert "frame test_holder_through_a_dict_and_a_closure() local 'registry'['logits']" in \
         find_holders(registry["logits"], seconds=10)
-    assert any(h.startswith("function") and "closure 'kept'" in h
-               for h in find_holders(fn.__closure__[0].cell_contents, seconds=10))
+    # past the function to the name that holds it
+    assert ("frame test_holder_through_a_dict_and_a_closure() local 'fn', function "
+            "test_holder_through_a_dict_and_a_closure.<locals>.make.<locals>.<lambda>() "
+            "closure 'kept'") in find_holders(fn.__closure__[0].cell_contents, seconds=10)
+    # a function held where the walk names nothing (an iterator's state): its own form
+    hidden = itertools.repeat(make())
+    target = next(hidden).__closure__[0].cell_contents
+    holders = find_holders(target, seconds=10)
+    function = "test_holder_through_a_dict_and_a_closure.<locals>.make.<locals>.<lambda>()"
+    assert sorted(holders) == [
+        "frame test_holder_through_a_dict_and_a_closure() local 'target'",
+        f"function {function} closure 'kept'"]
 
 
 def test_scope_names_leaked_tensors_and_their_holders():
