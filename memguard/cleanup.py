@@ -55,35 +55,20 @@ _full_collections = [0]  # made through collect_all that found no garbage, so fa
 #: runs one at a time: ``gc.collect()`` returns 0 at once while another thread's runs its
 #: finalisers or a program's ``gc.callbacks``).
 COLLECTION_WAIT = 10.0
-_collecting: list[Optional[int]] = [None]  # the thread whose collection is under way
-_started = [0]  # full collections begun so far, in any thread
-_ended = [(0, 0)]  # the latest full collection that ended: (its number, what it found)
-_ran = threading.local()  # .found: what this thread's last full collection found
 _stuck = [False]  # a child forked during a collection: CPython never collects there again
 _interrupts = [0]  # Ctrl-C held back by interrupts_after so far: a wait gives way to one
 
-
-def _watch_collections(phase: str, info: dict[str, int]) -> None:
-    # no lock here: a callback runs inside any allocation of any thread
-    full = info.get("generation") == 2
-    if phase == "start":
-        _collecting[0] = threading.get_ident()
-        if full:
-            _started[0] += 1
-    else:
-        _collecting[0] = None
-        if full:
-            found = info.get("collected", 0) + info.get("uncollectable", 0)
-            _ran.found = found
-            _ended[0] = (_started[0], found)  # one collection at a time: it is the latest
-
-
-# Whether CPython's own "collecting" flag is up, which it gives no way to read: a collection
-# is under way from the first "start" callback to the last "stop" one. C-level callbacks at
-# both ends of gc.callbacks record it, as a Python one cannot: a thread switch can come at its
-# first bytecode, after the flag went up, and a child forked there never collects again.
+# Collections as C-level callbacks record them: a Python callback in gc.callbacks would take
+# a Ctrl-C that arrives during any collection of the program (its handler runs at the
+# callback's first bytecode) and lose it, as CPython reports an exception raised in a
+# callback and goes on (18 of 20 lost in a program that merely imported memguard).
+# CPython's own "collecting" flag, which nothing reads, is up from the first "start"
+# callback to the last "stop" one: callbacks at both ends of the list record it, and a child
+# forked while it is up never collects again.
 _first = collections.OrderedDict.fromkeys(("start", "stop"))  # last key: the latest phase begun
 _last = collections.OrderedDict.fromkeys(("start", "stop"))  # last key: the latest phase ended
+_latest: dict[str, dict[str, int]] = {}  # phase -> the latest collection's info for it
+_mine = threading.local()  # .start: the info of the latest collection this thread began
 
 
 def _under_way() -> bool:
@@ -91,20 +76,39 @@ def _under_way() -> bool:
 
 
 def _forked() -> None:
-    _stuck[0] = _collecting[0] is not None or _under_way()
-    _collecting[0] = None
+    _stuck[0] = _under_way()
 
 
-_HEAD: list[Any] = [_first.move_to_end]  # called (phase, info): info is a truthy ``last``
-_TAIL: list[Any] = [_watch_collections, _last.move_to_end]
+# Full collections, counted only while a verdict waits for another thread's (a Python
+# callback, put in the list for the wait alone): which began after it asked, what it found.
+_started = [0]  # full collections begun while counted
+_ended = [(0, 0)]  # the latest full collection that ended: (its number, what it found)
+_waiting: list[object] = []  # a token per wait under way
+
+
+def _count_collections(phase: str, info: dict[str, int]) -> None:
+    # no lock here: a callback runs inside any allocation of any thread
+    if info.get("generation") == 2:
+        if phase == "start":
+            _started[0] += 1
+        else:  # one collection at a time: it is the latest
+            _ended[0] = (_started[0], info.get("collected", 0) + info.get("uncollectable", 0))
+
+
+_HEAD: list[Any] = [_first.move_to_end,  # called (phase, info): info is a truthy ``last``
+                    _latest.__setitem__, _mine.__setattr__]
+_TAIL: list[Any] = [_last.move_to_end]
+_COUNTING: list[Any] = [_count_collections, *_TAIL]
 
 
 def _watch() -> None:
-    """memguard's gc callbacks first and last in ``gc.callbacks``, as a program may have
-    cleared the list or added its own at either end since."""
+    """memguard's gc callbacks first and last in ``gc.callbacks`` (a program may have cleared
+    the list or added its own at either end since), the counting one only while a wait needs
+    it."""
     callbacks: list[Any] = gc.callbacks
-    if callbacks[:1] != _HEAD or callbacks[-2:] != _TAIL:
-        callbacks[:] = _HEAD + [c for c in callbacks if c not in _HEAD + _TAIL] + _TAIL
+    tail = _COUNTING if _waiting else _TAIL
+    if callbacks[:len(_HEAD)] != _HEAD or callbacks[-len(tail):] != tail:
+        callbacks[:] = _HEAD + [c for c in callbacks if c not in _HEAD + _COUNTING] + tail
 
 
 _watch()
@@ -118,23 +122,39 @@ def _collect_full() -> Optional[int]:
     the next full one that thread begins); ``None`` where none could run (this thread is
     inside a collection: a finaliser called this; a child forked during one; a wait past
     :data:`COLLECTION_WAIT` seconds, or cut short by Ctrl-C)."""
+    _watch()
+    mine = getattr(_mine, "start", None)
+    found = gc.collect()
+    if getattr(_mine, "start", None) is not mine:
+        _stuck[0] = False  # a program's callbacks hid the end of the collection forked in
+        return found  # it ran
     if _stuck[0]:
         return None
-    me = threading.get_ident()
+    token = object()
+    _waiting.append(token)
+    try:
+        return _wait_for_collection()
+    finally:
+        _waiting.remove(token)
+        _watch()
+
+
+def _wait_for_collection() -> Optional[int]:
+    """:func:`_collect_full` where another collection kept this thread's from running."""
     asked, interrupts = _started[0], _interrupts[0]
     deadline = time.monotonic() + COLLECTION_WAIT
     while True:
         _watch()
-        _ran.found = None
-        gc.collect()
-        if _ran.found is not None:
-            return _ran.found
+        mine = getattr(_mine, "start", None)
+        if _under_way() and mine is not None and mine is _latest.get("start"):
+            log.debug("no full collection inside one: called by a finaliser it runs")
+            return None
+        found = gc.collect()
+        if getattr(_mine, "start", None) is not mine:
+            return found
         number, found = _ended[0]
         if number > asked:  # another thread's, begun after this call: it saw the same heap
             return found
-        if _collecting[0] == me:  # a finaliser or weak reference callback of that collection
-            log.debug("no full collection inside one: called by a finaliser it runs")
-            return None
         if _interrupts[0] != interrupts:
             return None
         if time.monotonic() > deadline:
