@@ -1,6 +1,7 @@
 """Locks that a forked child gets back unlocked: ``os.fork()`` copies a lock held by another
 thread as held, and the child's first memguard call would hang. Every memguard lock is a
-:class:`ForkSafeLock`, re-created in the child (``os.register_at_fork``)."""
+:class:`ForkSafeLock`, re-created in the child (``os.register_at_fork``, and where a fork made
+in C ran no handler, when a lock is found held in a process that did not make it)."""
 
 from __future__ import annotations
 
@@ -30,21 +31,33 @@ class ForkSafeLock:
         _all.add(self)
 
     def __enter__(self) -> bool:
-        return self._lock.acquire()
+        return self._lock.acquire(False) or self._held(True, -1)
 
     def __exit__(self, *exc: Any) -> None:
         self._lock.release()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``threading.Lock.acquire``."""
-        return self._lock.acquire(blocking, timeout)
+        return self._lock.acquire(False) or self._held(blocking, timeout)
+
+    def _held(self, blocking: bool, timeout: float) -> bool:
+        """Acquire a lock found held: a child of a fork made in C (ctypes, an extension) ran no
+        handler, and finds held what another thread of its parent held (the process id tells)."""
+        if _made_by[0] != os.getpid():
+            _recreate_in_child()
+            return self._lock.acquire(blocking, timeout)
+        return blocking and self._lock.acquire(True, timeout)
 
     def release(self) -> None:
         """As ``threading.Lock.release``."""
         self._lock.release()
 
 
+_made_by = [os.getpid()]  # the process the locks were made in
+
+
 def _recreate_in_child() -> None:
+    _made_by[0] = os.getpid()
     for lock in list(_all):
         lock._lock = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
 

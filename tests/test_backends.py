@@ -113,6 +113,71 @@ def test_a_scope_in_a_process_started_by_a_big_one_reads_its_own_peak():
     assert found["peak"] < 400 * MiB, found
 
 
+def test_descriptors_a_program_closed_are_never_used_for_its_own_files(python_in_subprocess):
+    # a daemon closes every descriptor it did not open (os.closerange) and opens its own files:
+    # memguard's kept /proc/self/clear_refs descriptor wrote "5" into the program's log, its
+    # readers read the program's files or failed (retained 0 for a 50 MiB leak, EBADF)
+    out = python_in_subprocess("""
+        import json, os, tempfile
+        import memguard
+        with memguard.memory_scope():  # memguard's descriptors opened
+            memguard.snapshot()
+        os.closerange(3, 1 << 12)
+        folder = tempfile.mkdtemp()
+        logs = []
+        for i in range(12):
+            fd = os.open(os.path.join(folder, str(i)), os.O_RDWR | os.O_CREAT | os.O_APPEND)
+            os.write(fd, b"line")
+            logs.append(fd)
+        kept, leak = [], None
+        for _ in range(3):
+            try:
+                with memguard.memory_scope(cleanup="never", max_leak="1MiB") as scope:
+                    kept.append(bytearray(50 << 20))
+            except memguard.MemoryLeakError as error:
+                leak = error.retained["host"]
+        snapshot = memguard.snapshot()["host"]
+        contents = [os.pread(fd, 64, 0).decode() for fd in logs]
+        print(json.dumps({"logs": sorted(set(contents)), "leak": leak,
+                          "peak": scope.peak["host"], "total": snapshot.total}))
+    """)
+    assert out["logs"] == ["line"]
+    assert out["leak"] >= 50 * MiB
+    assert out["peak"] >= 100 * MiB and out["total"] > out["peak"]
+
+
+def test_a_fork_made_in_c_finds_memguards_locks_unlocked(python_in_subprocess):
+    # no os.register_at_fork handler runs in the child of a fork made in C: a lock another
+    # thread held there was copied held, and the child's first scope waited for ever
+    out = python_in_subprocess("""
+        import ctypes, json, os, signal, threading
+        import memguard
+        from memguard.scope import peak_book
+
+        held, release = threading.Event(), threading.Event()
+
+        def holder():
+            with peak_book._lock:
+                held.set()
+                release.wait()
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        held.wait()
+        pid = ctypes.PyDLL(None).fork()  # with the interpreter lock held, as an extension's
+        if pid == 0:
+            signal.alarm(10)  # its default ends the child
+            with memguard.memory_scope():
+                pass
+            os._exit(0)
+        release.set()
+        thread.join()
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"child": os.waitstatus_to_exitcode(status)}))
+    """)
+    assert out == {"child": 0}
+
+
 def test_a_fork_made_in_c_reads_and_resets_the_childs_own_memory(python_in_subprocess):
     # a fork C code makes (ctypes, an extension) runs no os.register_at_fork handler: the
     # descriptors kept open are checked against the process id, not a fork count

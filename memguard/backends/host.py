@@ -76,43 +76,76 @@ def _libc() -> dict[str, Any]:
     return _glibc
 
 
-class _ProcFile:
-    """A ``/proc`` file kept open and read with ``pread``: no open and close a read (an open
-    costs more than the read; the kernel writes the file afresh at every read).
+class _KeptFile:
+    """A descriptor kept open, made sure of before each use: the same file, opened by this
+    process. A program may close it (a daemon's ``os.closerange``) and open a file of its own
+    under the number, which memguard must never read, write or close: a kept
+    ``/proc/self/clear_refs`` descriptor wrote "5" into a program's log. After ``fork`` it is
+    opened again (an inherited one reads the parent; a fork C code makes runs no
+    ``os.register_at_fork`` handler)."""
 
-    The descriptor is reopened after ``fork`` (an inherited one would read the parent).
-    Read through glibc's ``pread`` with the interpreter lock held where glibc is there.
+    __slots__ = ("path", "flags", "fd", "pid", "identity")
+
+    def __init__(self, path: str, flags: int = os.O_RDONLY) -> None:
+        self.path = path
+        self.flags = flags | getattr(os, "O_CLOEXEC", 0)
+        self.fd: Optional[int] = None
+        self.pid = -1  # the process that opened it
+        self.identity: Optional[tuple[int, int]] = None  # its device and inode
+
+    def get(self) -> int:
+        """The descriptor, opened again where it is no longer this process's file."""
+        if self._ours():
+            return self.fd  # type: ignore[return-value]
+        fd = os.open(self.path, self.flags)
+        info = os.fstat(fd)
+        self.fd, self.pid, self.identity = fd, os.getpid(), (info.st_dev, info.st_ino)
+        return fd
+
+    def _ours(self) -> bool:
+        if self.fd is None or self.pid != os.getpid():
+            return False
+        try:
+            info = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self.identity
+
+    def close(self) -> None:
+        """Close the descriptor where it is still this file (the next use opens it again)."""
+        if self._ours():
+            os.close(self.fd)  # type: ignore[arg-type]
+        self.fd = None
+
+
+class _ProcFile:
+    """A ``/proc`` file kept open (:class:`_KeptFile`) and read with ``pread``: no open and
+    close a read (an open costs more than the read; the kernel writes the file afresh at every
+    read). Read through glibc's ``pread`` with the interpreter lock held where glibc is there.
     """
 
     SIZE = 4096
 
     def __init__(self, name: str) -> None:
-        self.path = name if name.startswith("/") else "/proc/self/" + name
-        self.fd: Optional[int] = None
-        self.pid = -1  # the process that opened the descriptor
+        self.file = _KeptFile(name if name.startswith("/") else "/proc/self/" + name)
         self._lock = ForkSafeLock()  # guards the buffer
         self._buffer: Any = None
 
     def read(self) -> bytes:
-        pid = os.getpid()  # a fork C code makes runs no os.register_at_fork handler
-        if self.fd is None or self.pid != pid:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.pid = pid
+        fd = self.file.get()
         pread = _libc().get("pread")
         if pread is not None:
             with self._lock:
                 if self._buffer is None:
                     self._buffer = _glibc["buffer"](self.SIZE)
-                size = pread(self.fd, self._buffer, self.SIZE, 0)
+                size = pread(fd, self._buffer, self.SIZE, 0)
                 if size >= 0:
                     return self._buffer[:size]  # one copy (.raw copies the whole buffer)
-        return os.pread(self.fd, self.SIZE, 0)
+        return os.pread(fd, self.SIZE, 0)
 
     def close(self) -> None:
         """Close the descriptor (the next read opens it again)."""
-        if self.fd is not None and self.pid == os.getpid():
-            os.close(self.fd)
-        self.fd = None
+        self.file.close()
 
 
 # the fields of /proc/meminfo psutil.virtual_memory() reads besides its total and available
@@ -147,8 +180,7 @@ class HostBackend(Backend):
         self._statm = _ProcFile("statm")
         self._status = _ProcFile("status")
         self._meminfo = _ProcFile("/proc/meminfo")
-        self._clear_refs_fd: Optional[int] = None
-        self._clear_refs_pid = -1
+        self._clear_refs = _KeptFile("/proc/self/clear_refs", os.O_WRONLY)
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._clear_refs_ok: Optional[bool] = None
         self._sampled_peak = 0
@@ -309,7 +341,7 @@ class HostBackend(Backend):
         with self._lock:
             if self._clear_refs_ok is not False and self._linux:
                 try:
-                    self._clear_refs()
+                    os.write(self._clear_refs.get(), b"5")  # the kernel resets VmHWM
                     self._clear_refs_ok = True
                 except OSError:
                     self._clear_refs_ok = False
@@ -323,17 +355,6 @@ class HostBackend(Backend):
         set at the reset, and a scope's peak is the counter at its exit or a higher one
         folded in before a later reset. Else the resident set read at the reset."""
         return None if self._clear_refs_ok else self._sampled_peak
-
-    def _clear_refs(self) -> None:
-        """Write "5" to ``/proc/self/clear_refs`` (the kernel resets ``VmHWM`` at each write)
-        through a descriptor kept open: an open and close cost ten times the write. Reopened
-        after ``fork``: the inherited one would reset the parent's peak."""
-        pid = os.getpid()
-        if self._clear_refs_fd is None or self._clear_refs_pid != pid:
-            self._clear_refs_fd = os.open("/proc/self/clear_refs",
-                                          os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            self._clear_refs_pid = pid
-        os.write(self._clear_refs_fd, b"5")
 
     def empty_cache(self) -> None:
         trim = _libc().get("malloc_trim")
@@ -618,7 +639,7 @@ class _CgroupReader:
         self._lock = ForkSafeLock()
         self._key: Optional[tuple[bytes, int]] = None  # the membership text and pid found
         self._found = 0.0  # monotonic time the levels' files were found
-        self._files: list[tuple[int, int]] = []  # each level's (memory.max, memory.current)
+        self._files: list[tuple[_KeptFile, _KeptFile]] = []  # each level's max and current
 
     def read(self) -> Optional[tuple[int, int]]:
         try:
@@ -631,8 +652,8 @@ class _CgroupReader:
                 self._find(text.decode(errors="replace"))
                 self._key = key
             try:
-                return _tightest((os.pread(limit, 64, 0).decode(),
-                                  os.pread(current, 64, 0).decode())
+                return _tightest((os.pread(limit.get(), 64, 0).decode(),
+                                  os.pread(current.get(), 64, 0).decode())
                                  for limit, current in self._files)
             except (OSError, UnicodeDecodeError):
                 self._key = None  # found again at the next call
@@ -641,16 +662,14 @@ class _CgroupReader:
     def _find(self, text: str) -> None:
         self._close()
         self._found = time.monotonic()
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         for folder in _cgroup_levels(text, self.root):
+            limit = _KeptFile(os.path.join(folder, "memory.max"))
+            current = _KeptFile(os.path.join(folder, "memory.current"))
             try:
-                limit = os.open(os.path.join(folder, "memory.max"), flags)
+                limit.get()
+                current.get()
             except OSError:
-                continue
-            try:
-                current = os.open(os.path.join(folder, "memory.current"), flags)
-            except OSError:
-                os.close(limit)
+                limit.close()
                 continue
             self._files.append((limit, current))
 
@@ -661,9 +680,9 @@ class _CgroupReader:
 
     def _close(self) -> None:
         for pair in self._files:
-            for fd in pair:
+            for kept in pair:
                 try:
-                    os.close(fd)
+                    kept.close()
                 except OSError:
                     pass
         self._files = []
