@@ -211,11 +211,13 @@ class TensorInfo:
         "holder not found" while ``KEPT['x'] = t[1:2]`` held it)."""
         if not bases:
             return
+        from .backends import torch as torch_backend  # only torch has views
+
         idents: list[int] = []
         views: list[Any] = []  # the walk's targets: it never walks through this list
         for row in self._cache.get("rows", ()):
             if row.is_view and row.ref is not None:
-                base = getattr(row.ref(), "_base", None)
+                base = torch_backend.view_base(row.ref())
                 if base is not None and bases.get(id(base)) is base:
                     idents.append(id(base))
                     views.append(row.ref())

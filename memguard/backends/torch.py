@@ -388,6 +388,12 @@ def _count_parts(rows: list[TensorRow], keys: list[Any],
             keys[index] = ("part", rows[index].id)
 
 
+def view_base(tensor: Any) -> Any:
+    """The tensor a view keeps alive (in C++, where no referrer walk sees it); ``None`` for a
+    tensor that views nothing."""
+    return getattr(tensor, "_base", None)
+
+
 def parameter_names(model: Any) -> dict[int, str]:
     """``id(tensor) -> qualified name`` for a module's parameters, their grads and buffers."""
     names: dict[int, str] = {}
