@@ -123,11 +123,10 @@ def _collect_full() -> Optional[int]:
     inside a collection: a finaliser called this; a child forked during one; a wait past
     :data:`COLLECTION_WAIT` seconds, or cut short by Ctrl-C)."""
     _watch()
-    mine = getattr(_mine, "start", None)
-    found = gc.collect()
-    if getattr(_mine, "start", None) is not mine:
+    found = _run_collection()
+    if found is not None:
         _stuck[0] = False  # a program's callbacks hid the end of the collection forked in
-        return found  # it ran
+        return found
     if _stuck[0]:
         return None
     token = object()
@@ -137,6 +136,15 @@ def _collect_full() -> Optional[int]:
     finally:
         _waiting.remove(token)
         _watch()
+
+
+def _run_collection() -> Optional[int]:
+    """This thread's full ``gc.collect()``: what it found, or ``None`` where another collection
+    under way kept it from running (it returned 0 at once: no collection of this thread
+    began)."""
+    mine = getattr(_mine, "start", None)
+    found = gc.collect()
+    return None if getattr(_mine, "start", None) is mine else found
 
 
 def _wait_for_collection() -> Optional[int]:
@@ -149,9 +157,9 @@ def _wait_for_collection() -> Optional[int]:
         if _under_way() and mine is not None and mine is _latest.get("start"):
             log.debug("no full collection inside one: called by a finaliser it runs")
             return None
-        found = gc.collect()
-        if getattr(_mine, "start", None) is not mine:
-            return found
+        ran = _run_collection()
+        if ran is not None:
+            return ran
         number, found = _ended[0]
         if number > asked:  # another thread's, begun after this call: it saw the same heap
             return found
