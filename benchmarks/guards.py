@@ -295,9 +295,8 @@ def forward_memguard():
     with memguard.inference_mode(wide):
         wide(inputs)
 
-import os, ctypes
+import os, ctypes, resource
 _statm = os.open("/proc/self/statm", os.O_RDONLY)
-_status = os.open("/proc/self/status", os.O_RDONLY)
 _clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(f"field{i}", ctypes.c_size_t) for i in range(10)]
@@ -306,12 +305,14 @@ _mallinfo2 = ctypes.PyDLL(None).mallinfo2
 _mallinfo2.restype = _MallInfo2
 
 def reads_alone():  # what a scope must read, as bare system calls: its floor
-    os.pread(_status, 4096, 0)
+    resource.getrusage(resource.RUSAGE_SELF)
     os.write(_clear_refs, b"5")
+    resource.getrusage(resource.RUSAGE_SELF)
+    os.pread(_statm, 128, 0)
     os.pread(_statm, 128, 0)
     _mallinfo2()
     train(64)
-    os.pread(_status, 4096, 0)
+    resource.getrusage(resource.RUSAGE_SELF)
     os.pread(_statm, 128, 0)
     _mallinfo2()
 """
@@ -367,10 +368,11 @@ def small_steps(quick: bool) -> list[Result]:
     ratios, peer_ms = _paired(SMALL_STEP, "reads_alone", "step", runs, pairs)
     rows.append(Result("1f memory_scope()'s reads alone, 0.5 ms step",
                        statistics.median(ratios) * peer_ms, peer_ms, "ms", "bare step", "-",
-                       None, "the floor of a scope's cost: the peak counter (VmHWM in "
-                       "/proc/self/status) before and after, its reset (a write to "
-                       "/proc/self/clear_refs), the resident set (/proc/self/statm) and "
-                       "mallinfo2 at both ends, as bare system calls around the step; median of "
+                       None, "the floor of a scope's cost: the peak counter (getrusage's "
+                       "ru_maxrss) before and after, its reset (a write to "
+                       "/proc/self/clear_refs, checked with getrusage and the resident set), "
+                       "the resident set (/proc/self/statm) and mallinfo2 at both ends, as "
+                       "bare system calls around the step; median of "
                        f"{runs} processes' medians of {pairs} paired ratios ("
                        + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
     return rows

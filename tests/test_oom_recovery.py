@@ -109,10 +109,16 @@ def test_find_batch_size_lands_on_the_boundary(python_in_subprocess):
             except RuntimeError:
                 return False
 
-        largest = int(found * 0.9)
+        # the largest size that fits now: from one that fits, up in growing steps to one
+        # that does not, then halving the gap (a few checks, not one per sample)
+        largest, gap = int(found * 0.9), 4
         assert fits(largest)
-        while fits(largest + 1):
-            largest += 1
+        while fits(largest + gap):
+            largest, gap = largest + gap, gap * 2
+        while gap > 1:
+            gap //= 2
+            if fits(largest + gap):
+                largest += gap
         print(json.dumps({"found": found, "power": power, "margin": with_margin,
                           "largest": largest}))
     """), env=ENV, timeout=300)
