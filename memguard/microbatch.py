@@ -134,6 +134,8 @@ class _Config:
         self.weight = weight
         self.cost = cost
         self.recompute = recompute
+        if recompute:
+            torch_recompute.prepare(model)  # while memory is plentiful, not in the rung
         self.offload = offload
         self.grow_every = grow_every
         self.scaler = scaler

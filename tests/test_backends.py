@@ -376,8 +376,8 @@ def test_a_scopes_peak_is_its_own_process_s_whatever_the_image_it_replaced_at_ex
     ballast = bytearray(512 * MiB)
     ballast[::4096] = b"x" * len(ballast[::4096])
     direct = [sys.executable, "-c", PEAK_IN_A_CHILD]
-    through = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call("
-               f"{direct!r}))"]
+    through = [sys.executable, "-c",
+               f"import subprocess, sys; sys.exit(subprocess.call({direct!r}))"]
     outs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True,
                                       timeout=120).stdout) for cmd in (direct, through)]
     del ballast

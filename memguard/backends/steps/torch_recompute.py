@@ -9,6 +9,7 @@ in forward are put back after the recomputation, so they move once."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator
 
 
@@ -73,6 +74,22 @@ def available(model: Any) -> bool:
             and getattr(inner, "supports_gradient_checkpointing", False):
         return True
     return bool(_blocks(inner))
+
+
+def prepare(model: Any) -> None:
+    """Import now what the first recomputed pass would import: non-reentrant
+    ``torch.utils.checkpoint`` reads ``torch._dynamo``'s config, and that import brings about
+    800 modules, about 70 MiB of address space and a second. The rung runs when memory has
+    run out; an import that ran out of memory there left ``torch._dynamo`` half made ("cannot
+    import name ... from torch._dynamo.utils"), and the step failed where the recomputed pass
+    itself fitted. Every torch optimizer's first step imports it too, so a training program
+    pays this once either way."""
+    if "torch._dynamo" in sys.modules or not available(model):
+        return
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - the rung imports it again when it runs, and says why
+        pass
 
 
 @contextlib.contextmanager
