@@ -191,10 +191,13 @@ class HostBackend(Backend):
         self._sampled_peak = 0
         # getrusage's ru_maxrss is the high-water mark VmHWM gives, unless the image the
         # process replaced at exec had a higher one (the kernel keeps that too): exact from a
-        # reset that found it no higher than the resident set (reset_peak), in that process
+        # reset after which it was no higher than a resident set read (reset_peak, rss), in
+        # that process
         self._usage_exact = False
         self._usage_pid = -1
-        self._resets = 0
+        self._resets = 0  # resets begun
+        self._written = 0  # resets written
+        self._unchecked: Optional[tuple[int, int, int, int]] = None  # see _check_usage
         self._psutil_proc: Any = None
         self._quick_rss_until = 0.0  # read_quick: the resident set until then
         self._slow_mallinfo = 0  # mallinfo2 readings in a row slower than SLOW_MALLINFO
@@ -210,7 +213,10 @@ class HostBackend(Backend):
     def rss(self) -> int:
         """The resident set size of this process, in bytes."""
         if self._linux:
+            written = self._written
             rss = int(self._statm.read().split()[1]) * self._page
+            if self._unchecked is not None:
+                self._check_usage(written, rss)
         else:
             rss = int(self._process().memory_info().rss)
         if rss > self._sampled_peak:
@@ -329,6 +335,21 @@ class HostBackend(Backend):
         self._judge_mallinfo(start)
         return kind, self.rss() if used is None else used
 
+    def _check_usage(self, written: int, rss: int) -> None:
+        """Whether getrusage gives this process's own mark until the next reset, from a
+        resident set ``rss`` read after the reset that was ``written`` (the scope's reading on
+        entry: no read of its own). getrusage read after the reset was the higher of the mark
+        before exec and the resident set then; at most ``rss``, the first is at most the mark
+        until the next reset."""
+        unchecked = self._unchecked
+        if unchecked is None:
+            return
+        usage, resets, done, pid = unchecked
+        if done != written or resets != self._resets or pid != os.getpid():
+            return  # read before that reset was written, or another reset began
+        self._unchecked = None
+        self._usage_exact, self._usage_pid = usage <= rss, pid
+
     def _usage_peak(self) -> Optional[int]:
         """The kernel's high-water mark (with the resident set: it is the higher) from
         ``getrusage`` (~1 us; reading ``/proc/self/status`` takes 7-40 us), or ``None`` where
@@ -370,18 +391,17 @@ class HostBackend(Backend):
         with self._lock:
             if self._clear_refs_ok is not False and self._linux:
                 self._resets += 1
-                self._usage_exact = False
+                self._usage_exact, self._unchecked = False, None
                 try:
                     os.write(self._clear_refs.get(), b"5")  # the kernel resets VmHWM
                     self._clear_refs_ok = True
                 except OSError:
                     self._clear_refs_ok = False
                 else:
-                    # ru_maxrss = max(the mark before exec, VmHWM): at most the resident set
-                    # read after it, the first is at most VmHWM until the next reset
-                    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-                    self._usage_exact = usage <= self.rss()
-                    self._usage_pid = os.getpid()
+                    self._written += 1
+                    # checked against the next resident set read (_check_usage)
+                    self._unchecked = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                       * 1024, self._resets, self._written, os.getpid())
             # where the kernel keeps the mark, the highest resident set read since the reset
             # stands in only if /proc/self/status lacks VmHWM
             self._sampled_peak = 0 if self._clear_refs_ok else self.rss()
