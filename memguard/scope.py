@@ -381,9 +381,12 @@ class MemoryScope:
             kept = growth(in_use(backend, entry[device]), in_use(backend, after))
             self.retained[device] = 0 if kept is None else max(0, kept)
             self.reserved_growth[device] = growth(entry[device].reserved, after.reserved)
-            start, end = backend.level(entry[device]), backend.level(after)
-            if self.peak.get(device) is None and start is not None and end is not None:
-                self.peak[device] = max(start, end)
+            # a peak is at least every level the scope read (the kernel's own mark, reset to
+            # an approximate sum of the resident set, can be some 100 kB under it)
+            levels = [v for v in (self.peak.get(device), backend.level(entry[device]),
+                                  backend.level(after)) if v is not None]
+            if levels and (self.peak.get(device) is not None or len(levels) == 2):
+                self.peak[device] = max(levels)
 
     # -- decorator -----------------------------------------------------------------------------
     def __call__(self, func: F) -> F:

@@ -351,9 +351,11 @@ class HostBackend(Backend):
         self._usage_exact, self._usage_pid = usage <= rss, pid
 
     def _usage_peak(self) -> Optional[int]:
-        """The kernel's high-water mark (with the resident set: it is the higher) from
-        ``getrusage`` (~1 us; reading ``/proc/self/status`` takes 7-40 us), or ``None`` where
-        that is not known to be this process's own mark since the last reset."""
+        """The kernel's high-water mark from ``getrusage`` (~1 us; reading
+        ``/proc/self/status`` takes 7-40 us next to a step), or ``None`` where that is not known
+        to be this process's own mark since the last reset. Its resident set is summed over
+        the CPUs approximately (here up to 256 kB short; VmHWM's stored mark is too, its
+        current part exact): a scope takes the higher of it and the levels it read."""
         resets = self._resets
         if not self._usage_exact or self._usage_pid != os.getpid():
             return None
