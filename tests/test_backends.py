@@ -402,3 +402,77 @@ def test_a_scopes_peak_is_its_own_process_s_whatever_the_image_it_replaced_at_ex
         assert out["below"] == 0, out
     assert not inherited["fast"]
     assert own["fast"]  # through a small parent: getrusage is the process's own mark
+
+
+STALE_CHECK = r"""
+import inspect, json, sys, threading
+import memguard
+from memguard.backends import host
+
+def touch(size):
+    block = bytearray(size)
+    block[::4096] = b"x" * len(block[::4096])
+    return block
+
+def vm_hwm():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+# a thread's check of one reset's getrusage reading, held just before it decides, while
+# another thread resets: the decision must not land on that later reset
+source, first = inspect.getsourcelines(type(host)._check_usage)
+line = first + next(i for i, text in enumerate(source) if "self._lock.acquire" in text)
+held, go, done = threading.Event(), threading.Event(), threading.Event()
+
+def hold(frame, event, arg):
+    if frame.f_code.co_name != "_check_usage":
+        return None
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == line:
+            held.set()
+            go.wait(30)
+        return local
+    return local
+
+keep = touch(400 * 2**20)  # above the mark inherited at exec: that reset's reading is exact
+
+def other():
+    sys.settrace(hold)
+    with memguard.memory_scope(cleanup="never"):  # its entry checks its own reset's reading
+        sys.settrace(None)
+        done.wait(30)
+
+thread = threading.Thread(target=other)
+thread.start()
+assert held.wait(30)
+del keep  # back under the inherited mark: the next reset's reading is not exact
+with memguard.memory_scope(cleanup="never") as scope:
+    go.set()
+    thread.join(0.2)  # the held check goes on
+    block = touch(20 * 2**20)
+    del block
+done.set()
+thread.join()
+print(json.dumps({"peak": scope.peak["host"], "hwm": vm_hwm(), "line": line}))
+"""
+
+
+def test_a_check_held_past_a_reset_does_not_decide_for_it():
+    """The check that getrusage is this process's own mark runs on the next resident set
+    read, in whatever thread reads it. A thread held just before deciding for one reset
+    while another thread reset again made the later reset read getrusage, so the scope's
+    peak was the mark of the image before exec (212 MiB), not its own (37 MiB)."""
+    import json
+    import subprocess
+    import sys
+
+    child = [sys.executable, "-c", STALE_CHECK]
+    # started by a process holding 200 MiB: the child inherits that mark at exec
+    parent = ("import subprocess, sys\nblock = bytearray(200 * 2**20)\n"
+              "block[::4096] = b'x' * len(block[::4096])\n"
+              f"sys.exit(subprocess.call({child!r}))")
+    run = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["peak"] <= out["hwm"] + MiB, out

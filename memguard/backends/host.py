@@ -197,7 +197,7 @@ class HostBackend(Backend):
         self._usage_pid = -1
         self._resets = 0  # resets begun
         self._written = 0  # resets written
-        self._unchecked: Optional[tuple[int, int, int, int]] = None  # see _check_usage
+        self._unchecked: Optional[tuple[int, int, int]] = None  # see _check_usage
         self._psutil_proc: Any = None
         self._quick_rss_until = 0.0  # read_quick: the resident set until then
         self._slow_mallinfo = 0  # mallinfo2 readings in a row slower than SLOW_MALLINFO
@@ -344,11 +344,17 @@ class HostBackend(Backend):
         unchecked = self._unchecked
         if unchecked is None:
             return
-        usage, resets, done, pid = unchecked
-        if done != written or resets != self._resets or pid != os.getpid():
-            return  # read before that reset was written, or another reset began
-        self._unchecked = None
-        self._usage_exact, self._usage_pid = usage <= rss, pid
+        usage, done, pid = unchecked
+        if done != written or pid != os.getpid():
+            return  # read before that reset was written, or in another process
+        if not self._lock.acquire(blocking=False):
+            return  # a reset is under way: a later read checks its own
+        try:
+            if self._unchecked is unchecked:  # decided for the reset it was read after
+                self._unchecked = None
+                self._usage_exact, self._usage_pid = usage <= rss, pid
+        finally:
+            self._lock.release()
 
     def _usage_peak(self) -> Optional[int]:
         """The kernel's high-water mark from ``getrusage`` (~1 us; reading
@@ -403,7 +409,7 @@ class HostBackend(Backend):
                     self._written += 1
                     # checked against the next resident set read (_check_usage)
                     self._unchecked = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                       * 1024, self._resets, self._written, os.getpid())
+                                       * 1024, self._written, os.getpid())
             # where the kernel keeps the mark, the highest resident set read since the reset
             # stands in only if /proc/self/status lacks VmHWM
             self._sampled_peak = 0 if self._clear_refs_ok else self.rss()
