@@ -308,8 +308,7 @@ def reads_alone():  # what a scope must read, as bare system calls: its floor
     resource.getrusage(resource.RUSAGE_SELF)
     os.write(_clear_refs, b"5")
     resource.getrusage(resource.RUSAGE_SELF)
-    os.pread(_statm, 128, 0)
-    os.pread(_statm, 128, 0)
+    os.pread(_statm, 128, 0)  # the entry reading, which also checks the reset's getrusage
     _mallinfo2()
     train(64)
     resource.getrusage(resource.RUSAGE_SELF)
@@ -370,7 +369,7 @@ def small_steps(quick: bool) -> list[Result]:
                        statistics.median(ratios) * peer_ms, peer_ms, "ms", "bare step", "-",
                        None, "the floor of a scope's cost: the peak counter (getrusage's "
                        "ru_maxrss) before and after, its reset (a write to "
-                       "/proc/self/clear_refs, checked with getrusage and the resident set), "
+                       "/proc/self/clear_refs, and getrusage after it), "
                        "the resident set (/proc/self/statm) and mallinfo2 at both ends, as "
                        "bare system calls around the step; median of "
                        f"{runs} processes' medians of {pairs} paired ratios ("
