@@ -27,6 +27,11 @@ def unlisten(callback: Callable[[str], None]) -> None:
             _listeners.remove(callback)
 
 
+def listening() -> bool:
+    """Whether anything listens (a label need not be made otherwise)."""
+    return bool(_listeners)
+
+
 def emit(label: str) -> None:
     """Hand ``label`` to every listener."""
     if _listeners:

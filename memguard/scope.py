@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._checks import flag
 from ._decorate import guard, name_of
-from ._events import emit
+from ._events import emit, listening
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
@@ -262,7 +262,8 @@ class MemoryScope:
         when = time.time()
         counters: dict[str, Optional[int]] = {}
         peak_book.enter(id(self), self._pairs, counters)
-        emit(f"enter {self._title()}")
+        if listening():
+            emit(f"enter {self._title()}")
         # what the block keeps is measured from here, after the scope's own entry work; the
         # snapshot on entry is this reading and the peak counters the book read before its
         # reset (any other read costs microseconds a small step feels)
@@ -302,7 +303,8 @@ class MemoryScope:
     def _finish(self) -> None:
         self.elapsed = time.perf_counter() - self._start
         self._active = False
-        emit(f"exit {self._title()}")
+        if listening():
+            emit(f"exit {self._title()}")
         counters: dict[str, Optional[int]] = {}
         self.peak = peak_book.exit(id(self), self._pairs, counters)
         entry = self._entry
