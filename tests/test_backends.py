@@ -401,7 +401,7 @@ def test_a_scopes_peak_is_its_own_process_s_whatever_the_image_it_replaced_at_ex
         # (up to 256 kB short here): a peak never reads under the scope's own readings
         assert out["below"] == 0, out
     assert not inherited["fast"]
-    assert own["fast"]  # through a small parent: getrusage is the process's own mark
+    assert own["fast"], outs  # through a small parent: getrusage is the process's own mark
 
 
 STALE_CHECK = r"""

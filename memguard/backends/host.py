@@ -37,6 +37,10 @@ HOST = "host"
 SLOW_MALLINFO = 100e-6  # seconds: a mallinfo2 slower than this is not read on every call
 MALLINFO_PAUSE = 10.0  # seconds the resident set stands in after a slow mallinfo2
 SLOW_IN_A_ROW = 2  # mallinfo2 slow this many times running: the heap is slow, not the machine
+# the kernel sums a resident set's per-CPU parts approximately (here readings a reset and a
+# read apart differed by up to 256 kB either way): getrusage read at a reset may exceed the
+# resident set read next by that much and still be the process's own mark
+USAGE_SLACK = 1 << 20
 
 
 _glibc: dict[str, Any] = {}
@@ -339,8 +343,8 @@ class HostBackend(Backend):
         """Whether getrusage gives this process's own mark until the next reset, from a
         resident set ``rss`` read after the reset that was ``written`` (the scope's reading on
         entry: no read of its own). getrusage read after the reset was the higher of the mark
-        before exec and the resident set then; at most ``rss``, the first is at most the mark
-        until the next reset."""
+        before exec and the resident set then; at most ``rss`` (give or take the kernel's
+        approximation, USAGE_SLACK), the first is at most the mark until the next reset."""
         unchecked = self._unchecked
         if unchecked is None:
             return
@@ -352,7 +356,7 @@ class HostBackend(Backend):
         try:
             if self._unchecked is unchecked:  # decided for the reset it was read after
                 self._unchecked = None
-                self._usage_exact, self._usage_pid = usage <= rss, pid
+                self._usage_exact, self._usage_pid = usage <= rss + USAGE_SLACK, pid
         finally:
             self._lock.release()
 
