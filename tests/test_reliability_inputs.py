@@ -201,22 +201,6 @@ def test_tensorflow_that_cannot_be_asked_counts_as_not_started(python_in_subproc
     assert out == {"started": False, "devices": []}
 
 
-@pytest.mark.slow
-def test_looking_at_tensorflow_does_not_start_it(python_in_subprocess):
-    out = python_in_subprocess("""
-        import json
-        import tensorflow as tf
-        from tensorflow.python.eager import context
-        import memguard
-        from memguard.backends import tensorflow as tf_backend
-        memguard.snapshot(); tf_backend.TensorFlowBackend().devices()
-        before = (tf_backend._runtime_started(), bool(context.context()._initialized))
-        tf.constant(1.0)
-        print(json.dumps({"before": before, "after": tf_backend._runtime_started()}))
-    """)
-    assert out == {"before": [False, False], "after": True}
-
-
 # -- the demo -----------------------------------------------------------------------------------
 def test_demo_explains_a_kernel_that_could_not_get_memory():
     from memguard.demo import explain_failure

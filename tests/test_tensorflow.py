@@ -112,18 +112,25 @@ def test_scope_releases_and_reports_tensorflow_memory(python_in_subprocess):
 
 
 def test_looking_does_not_start_the_tensorflow_runtime(python_in_subprocess):
+    """Reading memory, freeing it and a scope leave TensorFlow's runtime unstarted (starting
+    it takes every GPU's memory), and memguard tells a started runtime from one that is not."""
     out = python_in_subprocess("""
         import json
         import tensorflow as tf
         from tensorflow.python.eager import context
         import memguard
+        from memguard.backends import tensorflow as tf_backend
         snap = memguard.snapshot()
         memguard.free_memory()
         with memguard.memory_scope():
             pass
-        print(json.dumps({"started": context.context()._initialized, "devices": list(snap)}))
+        tf_backend.TensorFlowBackend().devices()
+        before = [tf_backend._runtime_started(), bool(context.context()._initialized)]
+        tf.constant(1.0)
+        print(json.dumps({"before": before, "after": tf_backend._runtime_started(),
+                          "devices": list(snap)}))
     """)
-    assert out == {"started": False, "devices": ["host"]}
+    assert out == {"before": [False, False], "after": True, "devices": ["host"]}
 
 
 def test_tensorflow_only_program_inference_mode_cleans(python_in_subprocess):
