@@ -6,7 +6,8 @@ One call: the entry gradients stay in place for the step function's first call (
 ``zero_grad()`` there clears them), then are moved aside; movable persistent buffers are copied.
 A pass runs forward and backward on each slice (the whole batch first), each slice's loss
 weighted by its share, without DDP's reduction or buffer broadcast. An out-of-memory is
-recognised inside ``except``; outside it the pass's gradients are dropped, the buffers put back,
+recognised inside ``except``; outside it the pass's gradients are dropped, the buffers and torch's
+random number generators put back,
 memory freed, and the pass redone in smaller slices. Ranks agree after every pass on memguard's
 gloo group; at the end the new gradients are added to the entry ones and averaged once where DDP
 would have. Under FSDP2 reduction is held back and ranks exchange a flag before each unit's
@@ -132,6 +133,9 @@ class _Config:
         self.policy = policy
         self.reduction = reduction
         self.weight = weight
+        # a weight's slices must add up to its batch, but for the trainers' own, which weighs
+        # a loss already divided by the whole batch's count at 1 a slice (ADDS_UP)
+        self.weight_adds_up = getattr(weight, ADDS_UP, True)
         self.cost = cost
         self.recompute = recompute
         if recompute:
@@ -283,6 +287,7 @@ class _Step(Loop):
         # the model's own parameters (what DDP averages) and those found outside it, by id
         self.params, self.slots, self.known, self.shared = found
         self.buffers: Optional[training.Buffers] = None
+        self.generators: Optional[training.Generators] = None
         # the gradients on entry: left on the parameters (held) until the step function's
         # first call returns, then moved aside (entry) as that call left them
         self.held: training.Held = None
@@ -364,6 +369,7 @@ class _Step(Loop):
         held = training.hold(params)  # left in place: a zero_grad() in the call clears them
         entry: Optional[list[Any]] = None  # once the call returned
         buffers = None
+        generators = training.Generators()  # before any draw: a redo draws the same
         try:
             if walked.slots:
                 buffers = training.Buffers(walked.slots, walked.movers, cfg.name)
@@ -398,6 +404,7 @@ class _Step(Loop):
                 step._prepare(cfg, state, batch, plan,  # noqa: SLF001 - its own class's
                               (list(params), walked.slots, set(known), shared))
                 step.entry, step.buffers, step.settled = entry, buffers, True
+                step.generators = generators
                 step._start(step.samples)  # noqa: SLF001 - its own class's
                 step.gauge, step.gave_up, step.started = gauge, gave_up, started
                 # recorded, frames dropped, the next size proposed (a factor that returns
@@ -405,10 +412,11 @@ class _Step(Loop):
                 resumes = step._exit(exc)  # noqa: SLF001 - its own class's
             except BaseException as error:  # noqa: BLE001 - raised below, after the restore
                 resumes, own = False, error
-            if not resumes:  # the entry gradients and buffers as they were, then the error
+            if not resumes:  # the entry gradients, buffers and generators as they were
                 training.restore(params, entry)
                 if buffers is not None:
                     buffers.load()
+                generators.load()
                 state.history = []
                 if own is not None:
                     raise own from exc
@@ -497,6 +505,7 @@ class _Step(Loop):
                     # after DDP's broadcast
                     self.buffers = training.Buffers(self.slots, self.cfg.walked.movers,
                                                     self.cfg.name)
+                    self.generators = training.Generators()
                 for attempt in self:
                     with attempt:
                         total = self._pass(wrapped, args, kwargs)
@@ -542,30 +551,73 @@ class _Step(Loop):
         if self.slices() == 1:
             return self._backward(self._call(wrapped, self.batch, args, kwargs), 1.0, None)
         total = None
-        whole = self._weight_of(self.batch) if cfg.weight is not None else None
-        for start, stop, stand_in in self._bounds():
-            piece = self.plan.cut(self.batch, start, stop)
-            if stand_in:
-                weight = 0.0
-            elif cfg.reduction == "sum":
-                weight = 1.0
-            elif whole is not None:
-                weight = self._weight_of(piece) / whole
-            else:
-                weight = (stop - start) / n
-            loss = self._call(wrapped, piece, args, kwargs)
-            if weight == 0:
-                # nothing in this slice that the loss averages over (every label -100): it
-                # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
-                # may be. FSDP runs that backward anyway (every rank must join its
-                # collectives), and both drop what it adds
-                if cfg.sharded:
-                    self._backward(loss, weight, None)
+        bounds = self._bounds()
+        where: Optional[tuple[int, int]] = None  # the slice running
+        try:
+            counts = None  # what ``weight`` says each slice's loss averages over
+            if cfg.weight is not None and cfg.reduction != "sum":
+                counts = self._counts(bounds, cfg.weight_adds_up)
+            for index, (start, stop, stand_in) in enumerate(bounds):
+                where = None
+                piece = self.plan.cut(self.batch, start, stop)
+                where = (start, stop)
+                if stand_in:
+                    weight = 0.0
+                elif cfg.reduction == "sum":
+                    weight = 1.0
+                elif counts is not None:
+                    weight = counts[index]
                 else:
-                    training.check_loss(loss, cfg.called)
-                continue
-            total = self._backward(loss, weight, total)
-        return total
+                    weight = (stop - start) / n
+                loss = self._call(wrapped, piece, args, kwargs)
+                if weight == 0:
+                    # nothing in this slice that the loss averages over (every label -100): it
+                    # adds nothing, and its loss, a mean over nothing, is NaN, as backward of it
+                    # may be. FSDP runs that backward anyway (every rank must join its
+                    # collectives), and both drop what it adds
+                    if cfg.sharded:
+                        self._backward(loss, weight, None)
+                    else:
+                        training.check_loss(loss, cfg.called)
+                    continue
+                total = self._backward(loss, weight, total)
+            return total
+        except Exception as exc:
+            if oom_kind(exc) is None:  # an error only a slice meets: say it was one
+                self._tell_cut(exc, where)
+            raise
+
+    def _tell_cut(self, exc: BaseException, where: Optional[tuple[int, int]]) -> None:
+        """Add to an error raised while the batch ran in slices (the step function on a slice,
+        a refusal to cut the batch) a note of the cut and why it was made: a function that
+        counts on the whole batch (a shape written out) fails only on a slice."""
+        if not hasattr(exc, "add_note"):  # Python 3.10: the log has it
+            return
+        failed = [a.size for a in self.attempts if not a.ok]
+        why = (f"after an out-of-memory at microbatch_size={failed[-1]}" if failed else
+               "as the slices that fitted before say this batch needs")
+        if where is None:
+            exc.add_note(f"memguard: raised while cutting a batch of {self.samples} into "
+                         f"slices of {self.size} for {self.cfg.name}, {why}")
+        else:
+            exc.add_note(f"memguard: raised on samples {where[0]}:{where[1]} of a batch of "
+                         f"{self.samples} that {self.cfg.name} ran in slices of {self.size}, "
+                         f"{why} (its history lists the passes)")
+
+    def _counts(self, bounds: list[tuple[int, int, bool]], adds_up: bool) -> list[float]:
+        """Each slice's share of what ``weight`` says the batch's loss averages over, read
+        before any slice runs: the slices' counts must add up to the batch's, or no weighting
+        of the slices' losses gives the batch's (a weight that returns a constant or a mean)."""
+        whole = self._weight_of(self.batch)
+        parts = [0.0 if stand_in else self._weight_of(self.plan.cut(self.batch, start, stop))
+                 for start, stop, stand_in in bounds]
+        added = math.fsum(parts)
+        if adds_up and not math.isclose(added, whole, rel_tol=1e-6, abs_tol=1e-9):
+            raise ValueError(f"auto_microbatch: weight must count what {self.cfg.name}'s loss "
+                             f"averages over (tokens, samples), so that the slices' counts "
+                             f"add up to the batch's: the batch's is {whole:g}, its "
+                             f"{len(parts)} slices' add up to {added:g}")
+        return [part / whole for part in parts]
 
     def _weight_of(self, part: Any) -> float:
         """What ``weight`` says the loss of ``part`` averages over, as a float."""
@@ -699,7 +751,8 @@ class _Step(Loop):
         return self.proposal  # each rank cuts its own batch: its own size
 
     def recover(self, retrying: bool) -> int:
-        """Drop the failed pass's gradients, put the buffers back, free its memory."""
+        """Drop the failed pass's gradients, put the buffers and the random number
+        generators back, free its memory."""
         if not self.settled:  # the pass failed before the step function's first call
             self._settle_entry(strict=False)
         training.drop(self.params)
@@ -708,6 +761,8 @@ class _Step(Loop):
             self.fsdp.drop()
         if self.buffers is not None:
             self.buffers.load()
+        if self.generators is not None:
+            self.generators.load()
         if self.cfg.scaler is not None:
             training.reset_scaler(self.cfg.scaler)
         freed = free_memory()
@@ -743,8 +798,11 @@ class _Step(Loop):
                 if self.per_sample is _UNREAD:
                     try:
                         self.per_sample = _per_sample(self.cfg, self.batch, self.samples)
-                    except (TypeError, ValueError) as exc:  # the step is done: not lost
-                        log.warning("%s; later batches are cut in samples", exc)
+                    except Exception as exc:  # noqa: BLE001 - the step is done: not lost
+                        text = (str(exc) if str(exc).startswith("auto_microbatch: cost(")
+                                else f"auto_microbatch: cost({self.cfg.name}'s batch) raised "
+                                     f"{type(exc).__name__}: {exc}")
+                        log.warning("%s; later batches are cut in samples", text)
                         self.per_sample = None
                 self.state.slice_cost = (None if self.per_sample is None
                                          else self.size * self.per_sample)
@@ -854,6 +912,10 @@ def _whole_fits(cfg: _Config, plan: Plan, planned: Optional[int]) -> bool:
     return planned is None or planned >= (plan.length or 0)
 
 
+ADDS_UP = "memguard_adds_up"
+"""An attribute a ``weight`` function may set to ``False``: its slices' values need not add up
+to its batch's (the trainers' own weight, 1 a slice for a loss divided by
+``num_items_in_batch``)."""
 _UNREAD: Any = object()  # a batch's cost per sample not read yet (None: nothing to count)
 # out-of-memory kinds (errors.oom_kind) that say the host ran out: offloading cannot help
 _HOST_KINDS = frozenset({"torch CPU allocator", "MemoryError", "torch memory mapping"})
@@ -912,11 +974,14 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
     returns its scalar loss; memguard runs backward and returns the whole batch's loss,
     detached. On an out-of-memory (:func:`is_oom_error`) the pass is undone, memory freed,
     and the batch redone in slices along dim 0 (a tensor, array, list, Mapping or
-    dataclass, nested); later batches start from the cost that fitted. Gradients held on
-    entry are kept, also when another exception propagates. The function must only compute
+    dataclass, nested); later batches start from the cost that fitted. torch's random number
+    generators are put back before a failed pass is redone. Gradients held on entry are
+    kept, also when another exception propagates; an error that only a slice met (a shape
+    written for the whole batch) carries a note of the cut. The function must only compute
     the loss: a ``zero_grad()`` at its top is fine, an ``optimizer.step()`` or a
-    ``backward()`` of its own is an error. Under DDP or FSDP2 every rank calls the step
-    and no rank is left waiting in a collective (see the distributed guide).
+    ``backward()`` of its own is an error, and a learning-rate scheduler's ``step()`` would
+    run once per slice (call both after the step returns). Under DDP or FSDP2 every rank
+    calls the step and no rank is left waiting in a collective (see the distributed guide).
 
     Args:
         model: the module whose parameters the step trains (a ``torch.nn.Module``, DDP
@@ -933,7 +998,9 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             (added as they are): what the loss is over its samples. Default ``"mean"``.
         weight: for a loss averaged over something other than samples: a callable
             ``slice -> count`` (tokens); each slice's loss is weighted by
-            ``weight(slice) / weight(batch)``. For a causal LM with labels ``-100`` on padding:
+            ``weight(slice) / weight(batch)``, so the slices' counts must add up to the
+            batch's (a constant or a mean is refused with ``ValueError`` before any slice
+            runs). For a causal LM with labels ``-100`` on padding:
             ``weight=lambda b: (b["labels"][..., 1:] != -100).sum()``. ``None``: samples.
         grow_every: after this many steps without an out-of-memory, try the next larger
             slice size, stepping back at once if it fails; ``None``: never.
@@ -941,12 +1008,15 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             Default ``None``: no scaling.
         cost: a callable ``batch -> number >= 0`` that grows with its memory (tokens:
             ``lambda b: b["attention_mask"].sum()``); slices are planned in it. ``None``: the
-            elements of the batch's tensors and arrays.
+            elements of the batch's tensors and arrays. Read once a split batch has run: a
+            cost that fails then is logged and later batches are cut in samples.
         recompute: when a slice of ``min_batch_size`` still runs out of memory, redo that
             batch once with activations recomputed in backward (``torch.utils.checkpoint``
             on the model's ``ModuleList``/``Sequential`` children, or a Hugging Face model's
             ``gradient_checkpointing_enable()``); its attempts have ``recompute=True``.
-            Default ``True``.
+            Dropout draws what the plain step draws; a block that draws from a
+            ``torch.Generator`` of its own does not (checkpointing restores only torch's
+            global generators): pass ``False`` for such a model. Default ``True``.
         offload: on a CUDA, ROCm or XPU device, when that still runs out of memory, redo it
             once more with the tensors saved for backward in pinned host memory
             (``save_on_cpu(pin_memory=True)``); its attempt has ``offload=True``. Never on
@@ -962,6 +1032,8 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             pass) runs out of memory too, after the recompute and offload rungs.
         TypeError: at decoration, for a model holding FSDP1's ``FullyShardedDataParallel``.
         NotImplementedError: at a call, for parameters with a post-accumulate-grad hook.
+        ValueError: at a split call, for a ``weight`` whose slices do not add up to the
+            batch.
 
     >>> import torch, memguard
     >>> model = torch.nn.Linear(4, 1)

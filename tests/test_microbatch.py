@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import re
+import sys
 
 import pytest
 import torch
@@ -581,6 +583,18 @@ def test_weight_is_checked():
     step = memguard.auto_microbatch(model, weight=lambda b: 0)(lambda b: _token_loss(model, b))
     with pytest.raises(ValueError, match="weight of the whole batch is 0"):
         step(batch)
+    # a weight whose slices do not add up to the batch (a constant, a mean) weighs no split
+    # right: refused before any slice runs, the entry gradients kept
+    entry = [torch.full_like(p, 2.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), entry, strict=True):
+        p.grad = g.clone()
+    for weight, told in ((lambda b: 0.5, "the batch's is 0.5, its 2 slices' add up to 1"),
+                         (lambda b: (b["labels"] != -100).float().mean(), "slices' add up")):
+        step = memguard.auto_microbatch(model, weight=weight)(lambda b: _token_loss(model, b))
+        with pytest.raises(ValueError, match=re.escape(told)):
+            step(batch)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), entry,
+                                                          strict=True))
 
 
 class Tokens(torch.nn.Module):
@@ -657,18 +671,66 @@ def test_a_cost_that_is_not_a_number_is_refused_naming_it():
     assert_close(grads(model), before, tol=0)  # refused before any pass
 
 
-def test_a_bad_cost_read_after_the_split_keeps_the_step_and_counts_in_samples(caplog):
-    # the cost is read once a split step has run: an error then lost the finished step
-    model = Tokens(limit=16 * 32 * 8)
+def _raises_key_error(batch):
+    raise KeyError("attention_mask")
 
-    @memguard.auto_microbatch(model, cost=lambda batch: float("nan"))
+
+@pytest.mark.parametrize("cost, told", [
+    (lambda batch: float("nan"), "must return a finite number >= 0, got nan"),
+    (_raises_key_error, "loss_of's batch) raised KeyError: 'attention_mask'"),
+], ids=["nan", "raises"])
+def test_a_bad_cost_read_after_the_split_keeps_the_step_and_counts_in_samples(caplog, cost,
+                                                                              told):
+    # the cost is read once a split step has run: an error then lost the finished step,
+    # with the batch's gradients already added to the entry ones
+    torch.manual_seed(0)
+    model = Tokens(limit=16 * 32 * 8)
+    reference = copy.deepcopy(model)
+    reference.limit = 10**12
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        p.grad, q.grad = torch.full_like(p, 2.0), torch.full_like(q, 2.0)
+
+    @memguard.auto_microbatch(model, cost=cost)
     def loss_of(batch):
         return model(batch).pow(2).mean()
 
+    batch = torch.randn(16, 64, 8)
     with caplog.at_level(logging.WARNING, logger="memguard"):
-        loss = loss_of(torch.randn(16, 64, 8))
-    assert loss.isfinite() and model.inner.weight.grad is not None
-    assert "must return a finite number >= 0, got nan; later batches are cut in samples" \
-        in caplog.text
+        loss = loss_of(batch)
+    expected = reference(batch).pow(2).mean()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert_close(grads(model), grads(reference))  # the entry gradients plus the batch's
+    assert f"{told}; later batches are cut in samples" in caplog.text
     loss_of(torch.randn(16, 8, 8))  # cheaper, yet cut as the size in samples says
     assert [(a.size, a.steps) for a in loss_of.history] == [(8, 2)]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11's")
+def test_an_error_only_a_slice_meets_says_the_batch_was_cut_and_why():
+    # a step written for the whole batch (a shape written out) fails on a slice: the error
+    # must say that memguard cut the batch after an out-of-memory, the entry gradients kept
+    model = torch.nn.Linear(4, 1)
+    model.weight.grad = torch.full_like(model.weight, 3.0)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        x = batch[0].view(16, 4)  # the whole batch's shape
+        if len(batch[0]) > 8:
+            torch.empty(1 << 48)  # out of memory, for real
+        return model(x).pow(2).mean()
+
+    x = torch.randn(16, 4)
+    with pytest.raises(RuntimeError, match=r"shape '\[16, 4\]' is invalid") as caught:
+        loss_of((x, x[:, :1]))
+    assert caught.value.__notes__ == [(
+        "memguard: raised on samples 0:8 of a batch of 16 that "
+        "test_an_error_only_a_slice_meets_says_the_batch_was_cut_and_why.<locals>.loss_of ran "
+        "in slices of 8, after an out-of-memory at microbatch_size=16 (its history lists the "
+        "passes)")]
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 3.0))
+    # a batch that cannot be cut, met only once it must be: the note says why it was cut
+    with pytest.raises(ValueError, match="cannot tell how to cut") as caught:
+        loss_of([x, x.clone()])
+    assert "raised while cutting a batch of 16 into slices of 8" in caught.value.__notes__[0]
+    assert "after an out-of-memory at microbatch_size=16" in caught.value.__notes__[0]

@@ -61,18 +61,19 @@ def sample(positions, seed=1):
     return torch.randn(1, positions, 64, generator=g), torch.randn(1, positions, 1, generator=g)
 
 def loss_fn(model, b):
-    torch.manual_seed(7)  # the same Dropout masks in every pass, and in the reference
     x, y = b
     return torch.nn.functional.mse_loss(model(x), y)
 
 def reference_grads(norm, container, b):
     model = make(norm, container)
+    torch.manual_seed(7)  # as before the step: the same Dropout masks
     loss_fn(model, b).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     buffers = [t.clone() for t in model.buffers()]
+    generator = torch.get_rng_state()
     del model
     memguard.free_memory()
-    return grads, buffers
+    return grads, buffers, generator
 
 def relative(a, b):
     return max(((p - q).norm() / q.norm().clamp_min(1e-30)).item() for p, q in zip(a, b))
@@ -114,10 +115,12 @@ for norm, container in CASES:
     def step(b):
         return loss_fn(model, b)
 
+    # the failed pass drew Dropout's masks: the recomputed one must draw them again
+    torch.manual_seed(7)
     step(big)
     key = f"{container}{'-norm' if norm else ''}"
     got[key] = ([p.grad.clone() for p in model.parameters()],
-                [t.clone() for t in model.buffers()])
+                [t.clone() for t in model.buffers()], torch.get_rng_state())
     result[key] = {
         "history": [[a.size, a.ok, a.recompute] for a in step.history],
         "restored": all("forward" not in vars(b) for b in blocks),
@@ -159,8 +162,9 @@ lift_budget()
 # the references: plain torch, whole, without a budget
 for norm, container in CASES:
     key = f"{container}{'-norm' if norm else ''}"
-    grads, buffers = reference_grads(norm, container, big)
+    grads, buffers, generator = reference_grads(norm, container, big)
     result[key]["grad"] = relative(got[key][0], grads)
+    result[key]["generator"] = torch.equal(got[key][2], generator)
     result[key]["buffers"] = relative([t.float() for t in got[key][1]],
                                       [t.float() for t in buffers]) if buffers else 0.0
 result["small"]["grad"] = relative(got["small"][0],
@@ -182,6 +186,7 @@ def test_one_sample_too_long_runs_with_recompute_and_plain_torch_gradients(
         assert row["grad"] < 1e-5, (key, row)
         assert row["buffers"] < 1e-5, (key, row)  # BatchNorm's statistics moved once
         assert row["restored"], key
+        assert row["generator"], key  # left as plain torch's step leaves it
     # a sample that fits runs plain afterwards
     assert out["small"]["history"] == [[1, True, False]], out["small"]
     assert out["small"]["grad"] < 1e-5

@@ -13,7 +13,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from ..loop import Attempt
-from ..microbatch import auto_microbatch as _auto_microbatch
+from ..microbatch import ADDS_UP, auto_microbatch as _auto_microbatch
 from ._core import (
     SAMPLES_OR_LABELLED,
     RungCounts,
@@ -297,6 +297,8 @@ class MicrobatchedTrainingStep:
                 return labelled(piece)
             return by_tokens(_Packed.rebuild(piece))
 
+        # a loss divided by num_items_in_batch weighs 1 a slice: not a count that adds up
+        setattr(weight, ADDS_UP, False)
         return weight
 
 
