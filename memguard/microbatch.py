@@ -949,9 +949,11 @@ def _planned(cfg: _Config, state: _State, batch: Any, n: int) -> tuple[Optional[
     per_sample = _per_sample(cfg, batch, n)
     if per_sample is None:
         return remembered, None
-    # a cost is a rough measure (a batch's labels count beside its tokens): 15.99 slices'
-    # worth is 16, not a pass of 15 and another of 1
-    size = max(1, min(n, int(slice_cost / per_sample * 1.001 + 0.02)))
+    # a cost is a rough measure (a batch's labels count beside its tokens): 15.99 samples'
+    # worth is 16, not a pass of 15 and another of 1; 1,024's is 1,024, not 1,025
+    fits = slice_cost / per_sample
+    nearest = round(fits)
+    size = max(1, min(n, nearest if abs(fits - nearest) <= 0.001 * fits + 0.02 else int(fits)))
     if size != remembered:
         log.debug("%s: %d samples at %.4g each: slices of %d (%d fitted at %.4g each)",
                   cfg.name, n, per_sample, size, remembered, slice_cost / remembered)

@@ -734,3 +734,20 @@ def test_an_error_only_a_slice_meets_says_the_batch_was_cut_and_why():
         loss_of([x, x.clone()])
     assert "raised while cutting a batch of 16 into slices of 8" in caught.value.__notes__[0]
     assert "after an out-of-memory at microbatch_size=16" in caught.value.__notes__[0]
+
+
+def test_a_batch_of_the_cost_that_fitted_is_cut_at_the_size_that_fitted_not_one_more():
+    # the plan rounds a cost's noise (15.99 samples' worth is 16) but not up past what
+    # fitted: 1,024 samples fitted, a longer batch of the same cost is cut in 1,024s
+    model = torch.nn.Linear(4, 1)
+
+    @memguard.auto_microbatch(model)
+    def loss_of(batch):
+        if len(batch) > 1024:
+            torch.empty(1 << 48)  # out of memory, for real
+        return model(batch).sum()
+
+    loss_of(torch.randn(2048, 4))
+    assert [(a.size, a.ok) for a in loss_of.history] == [(2048, False), (1024, True)]
+    loss_of(torch.randn(4096, 4))
+    assert [(a.size, a.ok, a.steps) for a in loss_of.history] == [(1024, True, 4)]
