@@ -4,10 +4,11 @@ users see them, are in the recovery internals guide).
 Parts are **per-sample** (cut: an array-like with a ``shape``, or a list of plain items),
 **containers** (rebuilt around their cut parts, type kept: Mappings, named tuples,
 dataclasses, tuples and lists of batch parts) or **shared** (handed to every slice:
-scalars, ``None``, other objects, record tuples such as ``torch.Size``). Per-sample parts
-must agree in length. A list of two or more tensors of one shape and dtype reads both as
-fields and as one tensor per sample: the parts beside it decide, and where nothing does,
-cutting it is a ``ValueError`` rather than a guess. A ``PackedSequence`` cannot be cut.
+scalars, ``None``, other objects, record tuples such as ``torch.Size``, and a part of one
+row beside longer ones, which torch broadcasts). Per-sample parts must agree in length. A
+list of two or more tensors of one shape and dtype reads both as fields and as one tensor
+per sample: the parts beside it decide, and where nothing does, cutting it is a
+``ValueError`` rather than a guess. A ``PackedSequence`` cannot be cut.
 
 No framework is imported: parts are recognised by their ``shape``."""
 
@@ -201,6 +202,7 @@ def _flat(plan: Plan, value: Any) -> Plan:
 
 
 _SAMPLES: dict[int, Plan] = {}  # plans of array-likes, by length: one object each
+_BROADCAST = Plan(SHARED, None)  # a part of one row beside longer ones (see _common)
 
 
 def _samples(length: int) -> Plan:
@@ -239,7 +241,16 @@ def _common(parts: dict[Any, Plan], where: Where) -> Optional[int]:
     if any(p.alt is not None for p in parts.values()):
         _settle(parts)
     lengths = {key: p.length for key, p in parts.items() if p.length is not None}
-    if len(set(lengths.values())) > 1:
+    found = set(lengths.values())
+    if len(found) == 2 and 1 in found:
+        # one row beside the samples' rows (position ids of shape [1, L]): what torch
+        # broadcasts over the batch, so shared by every slice, as plain torch reads it
+        for key, n in lengths.items():
+            if n == 1:
+                parts[key] = _BROADCAST
+        found.discard(1)
+        return found.pop()
+    if len(found) > 1:
         listed = ", ".join(f"{key!r}: {n}" for key, n in lengths.items())
         raise ValueError(f"the per-sample parts of {_where(where)} disagree on the "
                          f"number of samples ({listed}); every tensor, array and per-sample "

@@ -118,6 +118,25 @@ def test_a_batch_with_nothing_per_sample_is_a_type_error_naming_it(batch):
 def test_disagreeing_lengths_are_a_value_error_naming_the_parts():
     with pytest.raises(ValueError, match=r"'x': 4, 'y': 3"):
         plan_batch({"x": torch.ones(4), "y": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"'x': 4, 'y': 3, 'z': 1"):  # one row among them
+        plan_batch({"x": torch.ones(4), "y": torch.ones(3), "z": torch.ones(1)})
+
+
+def test_one_row_beside_the_samples_rows_goes_to_every_slice_as_torch_broadcasts_it():
+    # position ids of shape [1, L] beside a batch of 4: before, refused at every call,
+    # also where the batch fitted whole
+    batch = {"ids": torch.arange(12).reshape(4, 3), "positions": torch.arange(3)[None],
+             "pair": (torch.ones(4, 2), torch.zeros(1, 2))}
+    plan = plan_batch(batch)
+    assert plan.length == 4
+    piece = cut(batch, 1, 3)
+    assert torch.equal(piece["ids"], batch["ids"][1:3])
+    assert piece["positions"] is batch["positions"]
+    assert piece["pair"][0].shape == (2, 2) and piece["pair"][1] is batch["pair"][1]
+    # the slices' sum is the whole batch's, as torch broadcasts the row over either
+    whole = (batch["ids"] + batch["positions"]).sum()
+    parts = sum((p["ids"] + p["positions"]).sum() for p in (cut(batch, 0, 1), cut(batch, 1, 4)))
+    assert int(parts) == int(whole)
 
 
 def test_empty_and_huge_batches():
