@@ -1016,9 +1016,10 @@ def auto_microbatch(model: Any, *, min_batch_size: int = 1, factor: Factor = 0.5
             batch once with activations recomputed in backward (``torch.utils.checkpoint``
             on the model's ``ModuleList``/``Sequential`` children, or a Hugging Face model's
             ``gradient_checkpointing_enable()``); its attempts have ``recompute=True``.
-            Dropout draws what the plain step draws; a block that draws from a
-            ``torch.Generator`` of its own does not (checkpointing restores only torch's
-            global generators): pass ``False`` for such a model. Default ``True``.
+            Dropout draws what the plain step draws. A block that draws from a
+            ``torch.Generator`` of its own would not (checkpointing restores only torch's
+            global generators): a model whose modules keep one is not recomputed; pass
+            ``False`` where the generator lives elsewhere. Default ``True``.
         offload: on a CUDA, ROCm or XPU device, when that still runs out of memory, redo it
             once more with the tensors saved for backward in pinned host memory
             (``save_on_cpu(pin_memory=True)``); its attempt has ``offload=True``. Never on

@@ -282,6 +282,50 @@ def test_blocks_get_their_forwards_back_after_an_error():
     assert not _recompute.available(torch.nn.Linear(4, 4))  # nothing to checkpoint
 
 
+def test_a_block_with_a_generator_of_its_own_is_not_recomputed(caplog):
+    # checkpointing restores only torch's global generators: a block drawing from its own
+    # would recompute other noise than its forward drew, and its gradients would not be the
+    # loss's (1.1e-3 relative under a real budget). The rung is skipped: the out-of-memory
+    # stands, with the entry gradients, and the log says why
+    import logging
+
+    torch = pytest.importorskip("torch")
+    import memguard
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.noise = torch.Generator().manual_seed(3)
+
+        def forward(self, x):
+            return x + self.linear(x) * torch.rand(x.shape, generator=self.noise)
+
+    def stack(noisy):
+        blocks = [Noisy() if noisy else torch.nn.Linear(4, 4) for _ in range(3)]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(4, 1))
+
+    for noisy in (False, True):
+        model = stack(noisy)
+        model[-1].weight.grad = torch.ones_like(model[-1].weight)
+
+        @memguard.auto_microbatch(model)
+        def loss_of(batch, model=model):
+            if "forward" not in vars(model[0]):  # runs only with its blocks checkpointed
+                torch.empty(1 << 48)  # out of memory, for real
+            return model(batch).sum()
+
+        with caplog.at_level(logging.WARNING, logger="memguard"):
+            if noisy:
+                with pytest.raises(memguard.OutOfMemoryError):
+                    loss_of(torch.randn(1, 4))
+                assert torch.equal(model[-1].weight.grad, torch.ones_like(model[-1].weight))
+            else:
+                loss_of(torch.randn(1, 4))
+                assert [a.recompute for a in loss_of.history] == [False, True]
+    assert "its module attribute 0.noise is a torch.Generator of its own" in caplog.text
+
+
 # -- the offload rung (after recompute; CUDA, ROCm, XPU only) ------------------------------------
 
 def _stack(torch, blocks, width):

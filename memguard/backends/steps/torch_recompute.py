@@ -3,14 +3,18 @@ still runs out of memory, that batch's passes run the model's repeated blocks (c
 its ``ModuleList``/``Sequential`` containers) under non-reentrant
 ``torch.utils.checkpoint``, or a Hugging Face model's ``gradient_checkpointing_enable()``.
 
-Exact: checkpointing restores the RNG state before recomputing, and buffers a block moves
+Exact: checkpointing restores torch's global RNG state before recomputing (a model whose
+modules keep a ``torch.Generator`` of their own is not recomputed), and buffers a block moves
 in forward are put back after the recomputation, so they move once."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
+
+log = logging.getLogger("memguard")
 
 
 def _inner(model: Any) -> Any:
@@ -67,9 +71,31 @@ def _checkpointed(block: Any, forward: Callable[..., Any]) -> Callable[..., Any]
     return run
 
 
+def own_generator(model: Any) -> Optional[str]:
+    """Where a module of ``model`` keeps a ``torch.Generator`` of its own (``"blocks.3.gen"``),
+    or ``None``: checkpointing restores only torch's global generators, so a block drawing
+    from such a one would recompute with other numbers than its forward drew."""
+    import torch
+
+    for name, module in _inner(model).named_modules():
+        for attribute, value in vars(module).items():
+            if isinstance(value, torch.Generator):
+                return f"{name}.{attribute}" if name else attribute
+    return None
+
+
 def available(model: Any) -> bool:
-    """Whether the model has blocks to recompute (or its own gradient checkpointing)."""
+    """Whether the model has blocks to recompute (or its own gradient checkpointing), and none
+    of its modules keeps a generator of its own (:func:`own_generator`: the rung is skipped,
+    with a warning, rather than give gradients that are not the loss's)."""
     inner = _inner(model)
+    where = own_generator(inner)
+    if where is not None:
+        log.warning("auto_microbatch: not recomputing %s's activations: its module attribute "
+                    "%s is a torch.Generator of its own, which checkpointing does not restore "
+                    "(the recomputed draws would differ from the forward's, and the gradients "
+                    "from the loss's)", type(inner).__name__, where)
+        return False
     if callable(getattr(inner, "gradient_checkpointing_enable", None)) \
             and getattr(inner, "supports_gradient_checkpointing", False):
         return True
