@@ -489,6 +489,31 @@ def test_a_step_that_returns_none_skips_the_batch_as_without_the_callback(limit)
     assert "training_step" not in vars(model)  # the module's own step is back
 
 
+@pytest.mark.parametrize("limit", [None, 10], ids=["fits", "split"])
+def test_a_gradient_hook_on_the_parameters_runs_once_a_step_as_without_the_callback(limit):
+    # p.register_hook ran in memguard's backward and again when the carrier handed the
+    # gradients over: a hook that halves a gradient quartered it, also with no split
+    pl = lightning("pytorch_lightning")
+    reference, model = pair(pl, limit=limit)
+    calls = {id(reference): 0, id(model): 0}
+
+    def halving(key):
+        def hook(grad):
+            calls[key] += 1
+            return grad * 0.5
+        return hook
+
+    for net in (reference, model):
+        for p in net.parameters():
+            p.register_hook(halving(id(net)))
+    fit(pl, reference, [])
+    fit(pl, model, [MemguardCallback(microbatch=True)])
+    assert calls[id(reference)] == 4 * 4  # four steps, four parameters
+    assert calls[id(model)] == calls[id(reference)]
+    assert distance(model, reference) < 1e-5
+    assert all(len(p._backward_hooks) == 1 for p in model.parameters())  # given back
+
+
 # -- 16-mixed, logged values, the default weight -----------------------------------------------
 def _recording(pl, scale=1.0, log=False):
     """The test module whose loss is multiplied by ``scale`` and which records its unscaled
