@@ -270,15 +270,21 @@ class Points(torch.utils.data.Dataset):
         return {"input_x": x, "labels": x.sum() * 2.0 + torch.randn((), generator=g)}
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_model_taking_kwargs_that_ignores_num_items_splits_exactly(tmp_path, accumulate):
+@pytest.mark.parametrize("accumulate, weight", [(1, None), (2, None), (1, "samples")])
+def test_a_model_taking_kwargs_that_ignores_num_items_splits_exactly(tmp_path, accumulate,
+                                                                     weight):
+    # weight= as memguard's warning advises: before, the Trainer's assumption (a loss
+    # divided by num_items_in_batch) stood, and the slices added up unweighted: the loss
+    # and the gradients times the slices
+    options = {} if weight is None else {"weight": lambda batch: len(batch["input_x"])}
+
     def run(limit, wrap, name):
         trainer = transformers.Trainer(
             model=Regression(limit), train_dataset=Points(),
             args=arguments(tmp_path / name, logging_strategy="steps", logging_steps=1,
                            gradient_accumulation_steps=accumulate))
         if wrap:
-            trainer = auto_microbatch(trainer)
+            trainer = auto_microbatch(trainer, **options)
         trainer.train()
         return trainer
 

@@ -203,11 +203,14 @@ class MicrobatchedTrainingStep:
             options["weight"] = self._probed_weight(trainer, items=False)
             self._probes[id(model)] = 1
         elif reduction == "sum" and "reduction" not in self._options \
-                and options.get("weight") is None and trainer.loss_is_scaled_for_ga is None:
+                and trainer.loss_is_scaled_for_ga is None:
             # the Trainer takes the loss to be divided by num_items_in_batch because the model
-            # accepts **kwargs: whether it is, is found out at the first split
+            # accepts **kwargs: whether it is, is found out at the first split; where it is
+            # not, the slices are weighted by the weight= given (before, a weight= given made
+            # the slices add up unweighted: the loss and gradients times the slices)
             options["reduction"] = "mean"
-            options["weight"] = self._probed_weight(trainer, items=True)
+            options["weight"] = self._probed_weight(trainer, items=True,
+                                                    given=options.get("weight"))
             self._probes[id(model)] = 3
         elif options.get("weight") is not None:
             counted = options["weight"]
@@ -252,10 +255,11 @@ class MicrobatchedTrainingStep:
         return step
 
 
-    def _probed_weight(self, trainer: Any, items: bool) -> Callable[[Any], Any]:
+    def _probed_weight(self, trainer: Any, items: bool,
+                       given: Optional[Callable[[Any], Any]] = None) -> Callable[[Any], Any]:
         """A slice's weight where the Trainer does not say the loss's reduction, read once per model
-        by :func:`_loss_unit`: 1 for a loss divided by ``num_items_in_batch``, else its tokens or
-        samples."""
+        by :func:`_loss_unit`: 1 for a loss divided by ``num_items_in_batch``, else ``given``
+        (the user's ``weight=``) or its tokens or samples."""
         by_tokens = _default_weight(trainer)
         labelled = labelled_samples(by_tokens)
 
@@ -288,6 +292,8 @@ class MicrobatchedTrainingStep:
                         found[items] = unit
             if unit == "items":
                 return 1
+            if given is not None:
+                return given(_Packed.rebuild(piece))
             if unit in ("samples", SAMPLES_OR_LABELLED):
                 return len(piece) if type(piece) is _Packed else samples_in(piece)
             if unit == "labelled":
