@@ -447,3 +447,31 @@ def test_ddp_one_rank_alone_runs_out_of_memory(launchers):
     for ours, theirs in zip(saved[0]["guarded"], saved[0]["reference"], strict=True):
         assert (ours - theirs).abs().max().item() < 1e-5  # as if nothing ran out of memory
     assert not torchrun_tools.ended_by_themselves(launchers)
+
+
+def test_whether_a_loss_divides_by_num_items_is_read_on_samples_with_labels():
+    # a batch whose first samples have no label that counts (all -100): their losses, a mean
+    # over nothing, are NaN. Read on them, the answer was "cannot tell", the Trainer's
+    # assumption stood (the slices' losses added up), and a step whose first slice had no
+    # label logged NaN, its loss a mean of its own
+    from memguard.integrations._transformers_step import _divided_by_items
+
+    counts = [0, 0, 0, 0, 0, 5, 3, 2]
+    values = [2.0, 1.0, 4.0]  # the labelled samples' own means
+
+    def own_mean(i, j, count):  # ignores count: a mean over its labels
+        labelled = [(v, c) for v, c in zip(values, counts[5:], strict=True)]
+        picked = [labelled[k - 5] for k in range(i, j) if counts[k]]
+        return (sum(v * c for v, c in picked) / sum(c for _, c in picked) if picked
+                else float("nan"))
+
+    def divided(i, j, count):
+        return sum(v * c for v, c in ([(values[k - 5], counts[k]) for k in range(i, j)
+                                       if counts[k]])) / count
+
+    def tokens(i, j):
+        return float(sum(counts[i:j]))
+
+    assert _divided_by_items(own_mean, 10, 8, tokens) is False
+    assert _divided_by_items(divided, 10, 8, tokens) is True
+    assert _divided_by_items(own_mean, 10, 8) is None  # the first four alone: cannot tell

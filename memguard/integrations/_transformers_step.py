@@ -356,7 +356,8 @@ def _read_unit(loss: Callable[..., float], trainer: Any, items: Any, plan: Any,
     assumed = "items" if items is not None else "tokens"
     try:
         if items is not None:
-            divided = _divided_by_items(loss, items, int(plan.length or 0))
+            divided = _divided_by_items(loss, items, int(plan.length or 0),
+                                        lambda i, j: float(by_tokens(piece(i, j))))
             if divided is not False:
                 if divided is None:
                     log.warning(
@@ -395,11 +396,17 @@ def _read_unit(loss: Callable[..., float], trainer: Any, items: Any, plan: Any,
     return "tokens"
 
 
-def _divided_by_items(loss: Callable[..., float], items: Any, length: int
-                      ) -> Optional[bool]:
+def _divided_by_items(loss: Callable[..., float], items: Any, length: int,
+                      tokens: Optional[Callable[[int, int], float]] = None) -> Optional[bool]:
     """Whether ``loss(i, j, count)`` is divided by ``count`` (one sample's loss with ``items``
-    and ``2 * items``); ``None`` where the first four samples cannot tell."""
-    for i in range(min(length, 4)):
+    and ``2 * items``); ``None`` where the first four samples with a label that counts
+    (``tokens(i, i + 1) > 0``; no forward) cannot tell. A sample without one has no mean of its
+    own to read: a batch whose first half had none read as undecided, and the Trainer's
+    assumption (the slices' losses added) stood for a loss that was a mean of its own."""
+    candidates = list(range(length))
+    if tokens is not None:
+        candidates = [i for i in candidates if tokens(i, i + 1) > 0] or candidates
+    for i in candidates[:4]:
         once, twice = loss(i, i + 1, items), loss(i, i + 1, items * 2)
         if not math.isfinite(once) or once == 0:
             continue
