@@ -9,6 +9,7 @@ RLIMIT_AS. Every run is compared with the same training that never ran out of me
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -626,3 +627,52 @@ def test_a_padded_causal_lm_splits_by_tokens_without_weight(caplog):
             model, DataLoader(_padded_lm_data(), batch_size=8))
     assert distance(model, reference) < 1e-5
     assert "labels[..., 1:] that are not -100" in caplog.text
+
+
+def test_a_slice_with_no_label_logs_nothing_into_the_epoch_mean():
+    # a slice whose samples have no label that counts adds nothing to the step; its logged
+    # loss, a token mean over nothing, is NaN, and the epoch's mean of it read NaN
+    pl = lightning("pytorch_lightning")
+
+    class Tokens(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(20, 8)
+            self.head = torch.nn.Linear(8, 20)
+            self.limit = None
+
+        def training_step(self, batch, index):
+            x, y = batch["x"], batch["y"]
+            if self.limit and len(x) > self.limit:
+                raise RuntimeError(OOM)
+            loss = torch.nn.functional.cross_entropy(self.head(self.embed(x)).flatten(0, 1),
+                                                     y.flatten(), ignore_index=-100)
+            self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(x))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 20, (32, 6), generator=g)
+    y = x.clone()
+    y = y.reshape(4, 8, 6)
+    y[:, :4] = -100  # the first four samples of every batch of eight: no label
+    y = y.reshape(32, 6)
+    samples = [{"x": a, "y": b} for a, b in zip(x, y, strict=True)]
+    torch.manual_seed(1)
+    reference = Tokens()
+    model = copy.deepcopy(reference)
+    model.limit = 4
+    options = dict(max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   accelerator="cpu", devices=1)
+    plain = pl.Trainer(**options)
+    plain.fit(reference, DataLoader(samples, batch_size=8))
+    trainer = pl.Trainer(callbacks=[MemguardCallback(microbatch=True)], **options)
+    trainer.fit(model, DataLoader(samples, batch_size=8))
+    assert distance(model, reference) < 1e-5
+    ours = trainer.callback_metrics["train_loss"].item()
+    assert math.isfinite(ours), ours
+    # the slices' token means weighted by samples, as logged: near the batches' own
+    assert ours == pytest.approx(plain.callback_metrics["train_loss"].item(), rel=0.05)

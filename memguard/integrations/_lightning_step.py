@@ -87,10 +87,19 @@ class MicrobatchedTrainingStep:
 
         options["on_retry"] = on_retry
 
+        weight = options.get("weight")
+        whole: list[Any] = [None]  # the step's batch, as the step is given it
+
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            logged = len(logs.calls)
             output = original(batch, *args, **kwargs)
             if output is None:  # Lightning's way to skip a batch
                 raise _Skipped
+            if weight is not None and batch is not whole[0] and not float(weight(batch)) > 0:
+                # a slice with nothing its loss averages over adds nothing to the step, nor
+                # do its logged values (its loss, a mean over nothing, NaN: the epoch's mean
+                # of the logged loss read NaN)
+                del logs.calls[logged:]
             if isinstance(output, dict) and "loss" in output:
                 extras.clear()
                 extras.update((k, v.detach() if isinstance(v, torch.Tensor) else v)
@@ -113,6 +122,7 @@ class MicrobatchedTrainingStep:
             call[0] = (args, kwargs)
             try:
                 metrics.save()
+                whole[0] = batch
                 with logs.held(), _hooks_held(params):
                     loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
@@ -120,6 +130,7 @@ class MicrobatchedTrainingStep:
                 logs.replay()
                 return None
             finally:
+                whole[0] = None  # not kept past the step
                 for p, grad in zip(params, entry, strict=True):
                     p.grad = grad
             logs.replay()
