@@ -84,11 +84,13 @@ def data(n: int = 128) -> TensorDataset:
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g))
 
 
+# a quiet one-epoch fit on the CPU
+QUIET = dict(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+             enable_model_summary=False, accelerator="cpu", devices=1)
+
+
 def fit(pl, model, callbacks, batch_size=32, **options):
-    defaults = dict(max_epochs=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False,
-                    accelerator="cpu", devices=1)
-    trainer = pl.Trainer(**{**defaults, **options})
+    trainer = pl.Trainer(**{**QUIET, "callbacks": callbacks, **options})
     trainer.fit(model, DataLoader(data(), batch_size=batch_size))
     return trainer
 
@@ -618,9 +620,7 @@ def test_a_padded_causal_lm_splits_by_tokens_without_weight(caplog):
     reference = LM()
     model = copy.deepcopy(reference)
     model.limit = 3
-    options = dict(max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False,
-                   accelerator="cpu", devices=1)
+    options = QUIET
     pl.Trainer(**options).fit(reference, DataLoader(_padded_lm_data(), batch_size=8))
     with caplog.at_level("INFO", logger="memguard"):
         pl.Trainer(callbacks=[MemguardCallback(microbatch=True)], **options).fit(
@@ -664,9 +664,7 @@ def test_a_slice_with_no_label_logs_nothing_into_the_epoch_mean():
     reference = Tokens()
     model = copy.deepcopy(reference)
     model.limit = 4
-    options = dict(max_epochs=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False,
-                   accelerator="cpu", devices=1)
+    options = QUIET
     plain = pl.Trainer(**options)
     plain.fit(reference, DataLoader(samples, batch_size=8))
     trainer = pl.Trainer(callbacks=[MemguardCallback(microbatch=True)], **options)
