@@ -6,12 +6,12 @@ One call: the entry gradients stay in place for the step function's first call (
 ``zero_grad()`` there clears them), then are moved aside; movable persistent buffers are copied.
 A pass runs forward and backward on each slice (the whole batch first), each slice's loss
 weighted by its share, without DDP's reduction or buffer broadcast. An out-of-memory is
-recognised inside ``except``; outside it the pass's gradients are dropped, the buffers and torch's
-random number generators put back,
-memory freed, and the pass redone in smaller slices. Ranks agree after every pass on memguard's
-gloo group; at the end the new gradients are added to the entry ones and averaged once where DDP
-would have. Under FSDP2 reduction is held back and ranks exchange a flag before each unit's
-all-gathers (``backends/steps/torch_fsdp.py``). Calls on one model are serialised."""
+recognised inside ``except``; outside it the pass's gradients are dropped, the buffers and
+torch's random number generators put back, memory freed, and the pass redone in smaller
+slices. Ranks agree after every pass on memguard's gloo group; at the end the new gradients are
+added to the entry ones and averaged once where DDP would have. Under FSDP2 reduction is held
+back and ranks exchange a flag before each unit's all-gathers (``backends/steps/torch_fsdp.py``).
+Calls on one model are serialised."""
 
 from __future__ import annotations
 

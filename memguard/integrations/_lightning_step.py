@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..backends.steps import torch_fsdp
+from ..backends.steps import torch_fsdp, torch_training
 from ..loop import Attempt
 from ..microbatch import auto_microbatch
 from ._core import (
@@ -123,7 +123,7 @@ class MicrobatchedTrainingStep:
             try:
                 metrics.save()
                 whole[0] = batch
-                with logs.held(), _hooks_held(params):
+                with logs.held(), torch_training.hooks_held(params):
                     loss = step(batch, *args, **kwargs)
                 grads = [p.grad for p in params]
             except _Skipped:  # the step returned None: Lightning skips the batch
@@ -166,29 +166,6 @@ class MicrobatchedTrainingStep:
         module, self._module = self._module, None
         if module is not None and "training_step" in vars(module):
             del module.training_step
-
-
-@contextlib.contextmanager
-def _hooks_held(params: list[Any]) -> Iterator[None]:
-    """The parameters' own gradient hooks (``p.register_hook``) held back while memguard's
-    passes run backward: they run once, on the step's whole gradient, when Lightning's
-    backward hands it over through the carrier, as they run once in a plain step (before,
-    twice: a hook that halves a gradient quartered it). The hooks' dictionary is the one
-    autograd reads, emptied and filled again in place."""
-    held = []
-    for p in params:
-        hooks = p._backward_hooks  # noqa: SLF001 - a leaf's hooks, read by autograd
-        if hooks:
-            held.append((hooks, list(hooks.items())))
-            hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, items in held:
-            added = list(hooks.items())  # registered during the step: kept, after
-            hooks.clear()
-            hooks.update(items)
-            hooks.update(added)
 
 
 class _Skipped(Exception):

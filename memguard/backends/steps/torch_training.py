@@ -231,6 +231,29 @@ def describe(tensor: Any) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}{list(tensor.shape)}"
 
 
+@contextlib.contextmanager
+def hooks_held(params: list[Any]) -> Iterator[None]:
+    """The parameters' own gradient hooks (``p.register_hook``) held back while memguard's
+    passes run backward, for a caller that hands the whole step's gradient over through
+    autograd afterwards (Lightning's carrier): there they run once, as in a plain step, not
+    once more per pass. The hooks' dictionary is the one autograd reads, emptied and filled
+    again in place."""
+    held = []
+    for p in params:
+        hooks = p._backward_hooks  # noqa: SLF001 - a leaf's hooks, read by autograd
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            added = list(hooks.items())  # registered during the step: kept, after
+            hooks.clear()
+            hooks.update(items)
+            hooks.update(added)
+
+
 class Generators:
     """torch's random number generators as a step found them: the CPU's and, where their
     runtime has started, every CUDA (ROCm) and XPU device's, and MPS's. A failed pass drew
