@@ -132,6 +132,20 @@ class Attempt:
         return f"{name}={self.size}{steps}: {self.error} after {self.seconds:.3f} s{upcoming}"
 
 
+_new_record = object.__new__
+_RECORD_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Attempt)}
+
+
+def succeeded(size: int, unit: Unit, steps: Optional[int], seconds: float) -> Attempt:
+    """``Attempt(size=size, ok=True, unit=unit, steps=steps, seconds=seconds)``, made
+    without the frozen dataclass's eleven ``object.__setattr__`` calls (one a call of every
+    guard: a third of its record's cost)."""
+    record = _new_record(Attempt)
+    record.__dict__.update(_RECORD_DEFAULTS, size=size, ok=True, unit=unit, steps=steps,
+                           seconds=seconds)
+    return record
+
+
 # -- what every driver reports -----------------------------------------------------------------
 
 def memory_summary(snap: Optional[MemorySnapshot]) -> str:
@@ -332,6 +346,7 @@ class _Entry(NamedTuple):
     gave_up: dict[Any, int]
 
 
+_make_entry = tuple.__new__  # _Entry(...) without the named tuple's argument handling
 _Nest = tuple[_Entry, ...]
 """The attempts running in one context, outermost first (a plain tuple: made at every
 attempt)."""
@@ -369,14 +384,39 @@ def running() -> bool:
     return bool(nest) and bool(_live(nest))
 
 
+def running_here() -> bool:
+    """Whether any attempt's entry is in this context, suspended generators' included (the
+    cheap test: where it says False, no guard surrounds the code)."""
+    return bool(_NEST.get())
+
+
+def enter_first(owner: Any, loop: Optional[Loop] = None) -> _Entry:
+    """:func:`enter_attempt` for an attempt that no other attempt surrounds
+    (:func:`running_here` said False), entered by a frame that is not a generator's; its
+    ``gave_up`` records what guards nested in it give up at. :func:`leave_first` ends it."""
+    entry = _make_entry(_Entry, (owner, loop, None, {}))
+    _NEST.set((entry,))
+    return entry
+
+
+def leave_first(entry: _Entry) -> None:
+    """End what :func:`enter_first` started (:func:`leave_attempt`, quicker where the entry
+    is alone, as it is unless a generator left its own there)."""
+    nest = _NEST.get()
+    if len(nest) == 1 and nest[0] is entry:
+        _NEST.set(())
+    else:
+        leave_attempt(entry)
+
+
 def enter_attempt(owner: Any, gave_up: dict[Any, int], loop: Optional[Loop] = None,
                   depth: int = 1) -> _Entry:
     """Mark an attempt of ``owner``'s loop (``loop``) as running in this context, entered by
     the frame ``depth`` calls up (loops started inside it nest; ``gave_up`` is the outermost
     call's record); :func:`leave_attempt` ends it."""
     frame = sys._getframe(depth)  # noqa: SLF001 - is it a generator's?
-    entry = _Entry(owner, loop, frame if frame.f_code.co_flags & _SUSPENDABLE else None,
-                   gave_up)
+    entry = _make_entry(_Entry, (owner, loop, frame if frame.f_code.co_flags & _SUSPENDABLE
+                                 else None, gave_up))
     _NEST.set(_NEST.get() + (entry,))
     return entry
 
@@ -425,19 +465,26 @@ class Loop:
                  history: Optional[list[Attempt]] = None) -> None:
         self.who = who
         self.policy = policy
-        nest = _live(_NEST.get())
+        nest = _NEST.get()
+        if nest:
+            nest = _live(nest)
         self.owner = self if owner is None else owner
         self.nested = bool(nest)
         # a loop of the same owner inside its own attempt: a recursion; ``parent`` is the
         # loop of that owner's innermost attempt
-        self.parent: Optional[Loop] = next(
-            (entry.loop for entry in reversed(nest) if entry.owner == self.owner), None)
-        self.recursive = any(entry.owner == self.owner for entry in nest)
-        self.gave_up: dict[Any, int] = nest[-1].gave_up if nest else {}
-        resumed = self.gave_up.get(self.owner)
-        self.final = resumed is not None  # it gave up earlier in this outermost call
-        if resumed is not None:
-            size = min(size, resumed)
+        self.parent: Optional[Loop] = None
+        self.recursive = False
+        self.gave_up: dict[Any, int] = {}
+        self.final = False
+        if nest:
+            self.parent = next(
+                (entry.loop for entry in reversed(nest) if entry.owner == self.owner), None)
+            self.recursive = any(entry.owner == self.owner for entry in nest)
+            self.gave_up = nest[-1].gave_up
+            resumed = self.gave_up.get(self.owner)
+            self.final = resumed is not None  # it gave up earlier in this outermost call
+            if resumed is not None:
+                size = min(size, resumed)
         self.agreement = Agreement(policy.sync)
         self.size = size
         self.gauge = Gauge(who) if policy.factor == "auto" else None
@@ -636,8 +683,7 @@ class Loop:
 
     def record_success(self, seconds: float) -> None:
         """Record the attempt that succeeded (every rank's, or this rank's while it waits)."""
-        self.record(Attempt(size=self.size, ok=True, unit=self.unit, steps=self.steps(),
-                            seconds=seconds))
+        self.record(succeeded(self.size, self.unit, self.steps(), seconds))
 
     def _record_peer(self, seconds: float) -> None:
         self.record(Attempt(size=self.size, ok=False, unit=self.unit, steps=self.steps(),

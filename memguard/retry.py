@@ -9,6 +9,7 @@ import inspect
 import logging
 import math
 import os
+import time
 import types
 from typing import (
     Any,
@@ -26,9 +27,20 @@ from typing import (
 from ._decorate import function_kind, name_of, with_statistics
 from .backends.budget import available as budget_available, device_identity
 from .backends.steps import torch_state
-from .distributed import Sync
+from .distributed import Sync, alone
+from .errors import oom_kind
 from .history import dump, start_recording, stop_recording
-from .loop import Attempt, Factor, GuardState, Loop, Policy
+from .loop import (
+    Attempt,
+    Factor,
+    GuardState,
+    Loop,
+    Policy,
+    enter_first,
+    leave_first,
+    running_here,
+    succeeded,
+)
 from .sizefile import SizeFile, check_path, size_key
 
 log = logging.getLogger("memguard")
@@ -114,10 +126,59 @@ class _Config:
         self.file = None if isinstance(cache, bool) else SizeFile(cache)
         self.restore = restore
         self.cuda_snapshot_dir = cuda_snapshot_dir
+        # a call that nothing else surrounds may take _first_pass: none of these needs the
+        # loop before an attempt fails
+        self.quick = (self.file is None and not restore and not cuda_snapshot_dir
+                      and not keep_effective_batch and policy.factor != "auto"
+                      and policy.sync is not True)
+        # the plain function's position of ``arg``: (function, its code and defaults, the
+        # position); ``most``: how many parameters it has
+        self._position: Optional[tuple[Any, tuple, int]] = None
+        self.most = 0
         # the last signature computed: (function, bound, what it was computed from, the
         # signature, its parameters' names where every one is positional-or-keyword)
         self._signature: Optional[tuple[Any, bool, tuple, inspect.Signature,
                                         Optional[tuple[str, ...]]]] = None
+
+    def start(self, bound: Union[inspect.BoundArguments, _PlainBinding]) -> tuple[Any, int]:
+        """The size the call asks for, as given (a cache key) and checked."""
+        given = bound.arguments.get(self.arg)
+        requested = given if given is not None else (self.batch_size or self.default)
+        return requested, self.checked(requested)
+
+    def checked(self, requested: Any) -> int:
+        """The size a call asks for (``requested``: what it gave, else the decorator's or
+        the parameter's default) checked."""
+        if requested is None:
+            raise TypeError(f"oom_retry: {self.name}() got no {self.arg}: pass it, give the "
+                            f"parameter a default, or decorate with oom_retry(batch_size=...)")
+        start = self.policy.check_start(requested, "oom_retry", self.arg)
+        assert start is not None
+        return start
+
+    def position(self, wrapped: Callable[..., Any]) -> Optional[int]:
+        """The position of ``arg`` among the parameters of ``wrapped`` where it is the plain
+        function decorated (no method, ``__signature__`` or ``__wrapped__``) and every one of
+        them is positional-or-keyword (:attr:`most` of them); else ``None``. Checked against
+        the function's code and defaults at each call, as :meth:`signature` is."""
+        known = self._position
+        if known is not None and known[0] is wrapped:
+            code, defaults, kwdefaults = known[1]
+            if code is wrapped.__code__ and defaults is wrapped.__defaults__ \
+                    and kwdefaults is wrapped.__kwdefaults__ \
+                    and "__signature__" not in wrapped.__dict__ \
+                    and "__wrapped__" not in wrapped.__dict__:
+                return known[2]
+        if type(wrapped) is not types.FunctionType:
+            return None
+        names = self.signature(wrapped)[1]
+        if names is None or self.arg not in names:
+            return None
+        index = names.index(self.arg)
+        self.most = len(names)
+        self._position = (wrapped, (wrapped.__code__, wrapped.__defaults__,
+                                    wrapped.__kwdefaults__), index)
+        return index
 
     def signature(self, wrapped: Callable[..., Any]
                   ) -> tuple[inspect.Signature, Optional[tuple[str, ...]]]:
@@ -132,11 +193,13 @@ class _Config:
         if type(func) is not types.FunctionType or "__signature__" in func.__dict__ \
                 or "__wrapped__" in func.__dict__:
             return inspect.signature(wrapped), None
-        source = (func.__code__, func.__defaults__, func.__kwdefaults__)
         known = self._signature
-        if known is not None and known[0] is func and known[1] == bound \
-                and all(a is b for a, b in zip(known[2], source, strict=True)):
-            return known[3], known[4]
+        if known is not None and known[0] is func and known[1] == bound:
+            code, defaults, kwdefaults = known[2]
+            if code is func.__code__ and defaults is func.__defaults__ \
+                    and kwdefaults is func.__kwdefaults__:
+                return known[3], known[4]
+        source = (func.__code__, func.__defaults__, func.__kwdefaults__)
         signature = inspect.signature(wrapped)
         plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
                     for p in signature.parameters.values())
@@ -173,6 +236,19 @@ class _PlainBinding:
         self.names = names
         self.arguments = arguments
 
+    def split(self) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` in one pass over the names."""
+        arguments, names = self.arguments, self.names
+        count = 0
+        for name in names:
+            if name not in arguments:
+                break
+            count += 1
+        if count == len(names):
+            return tuple(map(arguments.__getitem__, names)), {}
+        return (tuple(map(arguments.__getitem__, names[:count])),
+                {name: arguments[name] for name in names[count:] if name in arguments})
+
     def _given(self) -> int:
         count = 0
         for name in self.names:
@@ -198,7 +274,21 @@ class _State(GuardState):
 
     def __init__(self, cfg: _Config) -> None:
         self.cfg = cfg
+        # the last call's attempts; (size, seconds) for a call whose first attempt
+        # succeeded, its record made when asked for
+        self.last: Union[list[Attempt], tuple[int, float]] = []
         super().__init__()
+
+    @property
+    def history(self) -> list[Attempt]:
+        last = self.last
+        if isinstance(last, tuple):
+            self.last = last = [succeeded(last[0], "batch", None, last[1])]
+        return last
+
+    @history.setter
+    def history(self, attempts: list[Attempt]) -> None:
+        self.last = attempts
 
     def forget(self) -> None:
         self.cache: dict[int, int] = {}
@@ -225,13 +315,7 @@ class _Run(Loop):
                  args: tuple, kwargs: dict) -> None:
         self.cfg, self.state = cfg, state
         self.bound = cfg.bind(wrapped, args, kwargs)
-        given = self.bound.arguments.get(cfg.arg)
-        requested = given if given is not None else (cfg.batch_size or cfg.default)
-        if requested is None:
-            raise TypeError(f"oom_retry: {cfg.name}() got no {cfg.arg}: pass it, give the "
-                            f"parameter a default, or decorate with oom_retry(batch_size=...)")
-        start = cfg.policy.check_start(requested, "oom_retry", cfg.arg)
-        assert start is not None
+        requested, start = cfg.start(self.bound)
         self.requested: int = start  # an int, whatever integral number was passed
         super().__init__(cfg.name, start, cfg.policy, owner=state)
         # A call of the function inside its own call (recursion) leaves the sizes, the cache
@@ -277,10 +361,13 @@ class _Run(Loop):
 
     def arguments(self) -> tuple[tuple, dict]:
         """The call's arguments at the current size."""
-        self.bound.arguments[self.cfg.arg] = self.size
-        if self.cfg.keep_effective_batch:
-            self.bound.arguments[self.cfg.accumulation_arg] = self.steps()
-        return self.bound.args, self.bound.kwargs
+        bound, cfg = self.bound, self.cfg
+        bound.arguments[cfg.arg] = self.size
+        if cfg.keep_effective_batch:
+            bound.arguments[cfg.accumulation_arg] = self.steps()
+        if type(bound) is _PlainBinding:
+            return bound.split()
+        return bound.args, bound.kwargs
 
     # -- the loop's hooks ------------------------------------------------------------------
     def steps(self) -> Optional[int]:
@@ -313,27 +400,101 @@ class _Run(Loop):
         attempt's, and the size that worked shrinks as theirs did (their own start to what
         worked)."""
         inner, self.inner = self.inner, []
-        self.worked = self.size
         if not any(len(records) > 1 for _, _, records in inner):
+            self.worked = self.size
             super().record_success(seconds)
             return
-        for start, worked, records in inner:
-            for record in records:
-                self.record(record)
-            self.worked = min(self.worked, max(1, self.size * worked // start))
+        self.worked = _through(self.size, inner, self.attempts)
 
     def after_ok(self) -> None:
         if self.recursive:  # the call around this one in the recursion reports it
             if isinstance(self.parent, _Run):
                 self.parent.inner.append((self.requested, self.worked, self.attempts))
             return None
-        with self.state.lock:
-            self.state.batch_size = self.worked
-            if self.cfg.cache:
-                self.state.cache[self.requested] = self.worked
+        _keep(self.cfg, self.state, self.requested, self.worked)
         if self.cfg.file is not None and self.key is not None:
             self.cfg.file.put(self.key, self.worked)
         return None
+
+
+def _through(size: int, inner: list[tuple[int, int, list[Attempt]]],
+             records: list[Attempt]) -> int:
+    """The size that worked for an attempt at ``size`` inside which the function called
+    itself and those calls had to shrink (``inner``: their start, the size that worked and
+    their records): their records stand for the attempt's (added to ``records``), and the
+    size shrinks as theirs did (their own start to what worked)."""
+    worked = size
+    for start, inner_worked, inner_records in inner:
+        records.extend(inner_records)
+        worked = min(worked, max(1, size * inner_worked // start))
+    return worked
+
+
+def _keep(cfg: _Config, state: _State, requested: Any, worked: int) -> None:
+    """Remember ``worked`` as the last size that worked (for the start ``requested``)."""
+    with state.lock:
+        state.batch_size = worked
+        if cfg.cache:
+            state.cache[requested] = worked
+
+
+def _first_pass(cfg: _Config, state: _State, wrapped: Callable[..., Any], args: tuple,
+                kwargs: dict) -> tuple[bool, Any]:
+    """The first attempt of a call that no other guard's attempt surrounds, on one rank,
+    without the loop's objects (the common case: a call that fits, where the loop would
+    cost several times what this does): ``(True, what the call returned)``, or ``(False,
+    the loop)`` after an out-of-memory, which the loop has recorded as its first attempt's
+    and goes on from. Any other exception propagates, as the loop would let it."""
+    index = cfg.position(wrapped)
+    if index is not None and len(args) <= cfg.most:  # a plain function: no binding made
+        given = args[index] if len(args) > index else kwargs.get(cfg.arg)
+        requested: Any = given if given is not None else (cfg.batch_size or cfg.default)
+        if type(requested) is int and requested >= cfg.policy.min_batch_size:
+            start = requested
+        else:
+            start = cfg.checked(requested)  # or raises
+    else:
+        bound = cfg.bind(wrapped, args, kwargs)
+        requested, start = cfg.start(bound)
+    cached = state.cache.get(requested) if cfg.cache else None  # one read: no lock needed
+    size = start if cached is None else cached
+    if index is None or len(args) > cfg.most:
+        bound.arguments[cfg.arg] = size
+        call_args, call_kwargs = bound.split() if type(bound) is _PlainBinding else (
+            bound.args, bound.kwargs)
+    elif len(args) > index:
+        call_args, call_kwargs = (*args[:index], size, *args[index + 1:]), kwargs
+    else:  # by name: the same call to a plain function
+        call_args, call_kwargs = args, {**kwargs, cfg.arg: size}
+    recursion = _Run.__new__(_Run)  # what a call of the function inside this one reports to
+    recursion.inner = []
+    state.last = []
+    started = time.perf_counter()
+    entry = enter_first(state, recursion)
+    try:
+        result = wrapped(*call_args, **call_kwargs)
+    except BaseException as exc:
+        leave_first(entry)
+        if not isinstance(exc, Exception) or oom_kind(exc) is None:
+            raise
+        run = _Run(cfg, state, wrapped, args, kwargs)
+        run.size = run.worked = size
+        run.gave_up, run.started = entry.gave_up, started
+        if not run._exit(exc):  # noqa: SLF001 - the loop's first attempt, run here
+            raise
+        return False, run
+    seconds = time.perf_counter() - started
+    leave_first(entry)
+    inner = recursion.inner
+    if inner and any(len(inner_records) > 1 for _, _, inner_records in inner):
+        records: list[Attempt] = []
+        worked = _through(size, inner, records)
+        state.last = records
+    else:
+        worked = size
+        state.last = (size, seconds)
+    _keep(cfg, state, requested, worked)
+    return True, result
 
 
 def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
@@ -345,7 +506,14 @@ def _wrap(func: Callable[..., Any], cfg: _Config) -> Any:
                         f"plain and async functions and methods")
 
     def sync_wrapper(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
-        with _Run(cfg, state, wrapped, args, kwargs) as run:
+        if cfg.quick and not running_here() and alone(cfg.policy.sync):
+            done, outcome = _first_pass(cfg, state, wrapped, args, kwargs)
+            if done:
+                return outcome
+            loop = outcome
+        else:
+            loop = _Run(cfg, state, wrapped, args, kwargs)
+        with loop as run:
             for attempt in run:
                 with attempt:
                     call_args, call_kwargs = run.arguments()

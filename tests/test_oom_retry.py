@@ -90,6 +90,49 @@ def test_bare_decorator_starts_at_the_callers_argument_or_the_default():
     assert train(20) == 10 and [b for b, _ in calls] == [20, 10]
 
 
+def test_every_argument_reaches_the_function_as_called_whatever_its_signature():
+    """A call's arguments reach the function as a plain call would pass them, with only
+    the size replaced: positional, by name or left to defaults, on a function of plain
+    parameters and on one with keyword-only ones; and after the function's code is
+    swapped for one with its parameters in another order."""
+    seen = []
+
+    def plain(a, batch_size=8, c=3):
+        seen.append((a, batch_size, c))
+        torch.empty(batch_size * (1 << 42) if batch_size > 4 else batch_size)
+        return a
+
+    def keywords(a, batch_size=8, *, c=3):
+        seen.append((a, batch_size, c))
+        torch.empty(batch_size * (1 << 42) if batch_size > 4 else batch_size)
+        return a
+
+    for func in (plain, keywords):
+        guarded = memguard.oom_retry(cache=False)(func)
+        seen.clear()
+        assert guarded(1) == 1 and seen == [(1, 8, 3), (1, 4, 3)]
+        seen.clear()
+        guarded(1, c=7, batch_size=2)
+        guarded(a=5, batch_size=3)
+        assert seen == [(1, 2, 7), (5, 3, 3)]
+        assert [(a.size, a.ok) for a in guarded.history] == [(3, True)]
+        if func is plain:
+            seen.clear()
+            guarded(1, 2, 9)
+            assert seen == [(1, 2, 9)]
+
+    def swapped(batch_size=8, a=0, c=3):
+        seen.append((a, batch_size, c))
+        return a
+
+    guarded = memguard.oom_retry(cache=False)(plain)
+    guarded(1, 2)
+    plain.__code__, plain.__defaults__ = swapped.__code__, swapped.__defaults__
+    seen.clear()
+    guarded(2, 6)  # now the size comes first
+    assert seen == [(6, 2, 3)] and guarded.batch_size == 2
+
+
 def test_factor_min_batch_size_and_max_attempts():
     calls = []
     train = memguard.oom_retry(batch_size=100, factor=0.75)(workload(40, calls))
