@@ -314,6 +314,13 @@ def reads_alone():  # what a scope must read, as bare system calls: its floor
     resource.getrusage(resource.RUSAGE_SELF)
     os.pread(_statm, 128, 0)
     _mallinfo2()
+
+def frees_reads_alone():  # what frees_memory's policy reads, as bare calls: its floor
+    os.pread(_statm, 128, 0)
+    _mallinfo2()
+    train(64)
+    os.pread(_statm, 128, 0)
+    _mallinfo2()
 """
 """Benchmark 1f's steps: a training step of a tiny MLP (about 0.5 ms on one CPU thread) bare
 and under each guard, and a forward pass of a wider one (about 0.5 ms) under
@@ -331,8 +338,8 @@ SMALL_ROWS = (
      "exit; mallinfo2 walks the heap's free chunks, 25-45 us next to a step there (~1 us "
      "alone)")),
     ("1f oom_retry (nothing fails), 0.5 ms step", "retry", "step", "bare step",
-     ("left: the sizing loop's own work per call (memguard.loop.Loop, its attempt's context "
-     "and record: 30-50 us next to a step there) and the binding of the call")),
+     ("left: a call's own work (its size found, the attempt marked in the context, the size "
+      "kept: 15-20 us next to a step there, with no loop made)")),
     ("1f inference_mode, 0.5 ms forward", "forward_memguard", "forward_no_grad",
      "torch.no_grad forward", ("left: what each block does besides no_grad's work: "
      "torch.inference_mode, and each module switched to eval and back (kept per module for "
@@ -345,8 +352,9 @@ def small_steps(quick: bool) -> list[Result]:
     weighs most: a training step of about 0.5 ms on one CPU thread, bare and under
     ``memory_scope()`` (as a decorator and as a ``with`` block), ``frees_memory`` (cleanup
     ``"auto"``) and ``oom_retry`` (nothing runs out of memory); a forward of about 0.5 ms
-    under ``inference_mode`` against ``torch.no_grad()``; and the system calls a scope
-    cannot do without, bare, around the same step: the floor of a scope's cost.
+    under ``inference_mode`` against ``torch.no_grad()``; and the reads a scope, and those
+    ``frees_memory``'s policy, cannot do without, as bare calls around the same step: the
+    floors of their costs.
 
     Measured as 1d is (:func:`_paired`): each guard against the bare step in a process of
     its own, short rounds (5 calls) in adjacent pairs, which goes first alternating; the
@@ -374,6 +382,13 @@ def small_steps(quick: bool) -> list[Result]:
                        "bare system calls around the step; median of "
                        f"{runs} processes' medians of {pairs} paired ratios ("
                        + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
+    ratios, peer_ms = _paired(SMALL_STEP, "frees_reads_alone", "step", runs, pairs)
+    rows.append(Result("1f frees_memory's reads alone, 0.5 ms step",
+                       statistics.median(ratios) * peer_ms, peer_ms, "ms", "bare step", "-",
+                       None, "the floor of frees_memory's cost: the resident set "
+                       "(/proc/self/statm) and mallinfo2 before and after, as bare calls "
+                       f"around the step; median of {runs} processes' medians of {pairs} "
+                       "paired ratios (" + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
     return rows
 
 
