@@ -135,6 +135,7 @@ class _Config:
         # position); ``most``: how many parameters it has
         self._position: Optional[tuple[Any, tuple, int]] = None
         self.most = 0
+        self.after: list[frozenset[str]] = []  # the names a keyword may take after n positional
         # the last signature computed: (function, bound, what it was computed from, the
         # signature, its parameters' names where every one is positional-or-keyword)
         self._signature: Optional[tuple[Any, bool, tuple, inspect.Signature,
@@ -159,7 +160,8 @@ class _Config:
     def position(self, wrapped: Callable[..., Any]) -> Optional[int]:
         """The position of ``arg`` among the parameters of ``wrapped`` where it is the plain
         function decorated (no method, ``__signature__`` or ``__wrapped__``) and every one of
-        them is positional-or-keyword (:attr:`most` of them); else ``None``. Checked against
+        them is positional-or-keyword (:attr:`most` of them, :attr:`after` the names left
+        to keywords after each count of positional arguments); else ``None``. Checked against
         the function's code and defaults at each call, as :meth:`signature` is."""
         known = self._position
         if known is not None and known[0] is wrapped:
@@ -176,6 +178,7 @@ class _Config:
             return None
         index = names.index(self.arg)
         self.most = len(names)
+        self.after = [frozenset(names[given:]) for given in range(len(names) + 1)]
         self._position = (wrapped, (wrapped.__code__, wrapped.__defaults__,
                                     wrapped.__kwdefaults__), index)
         return index
@@ -277,14 +280,20 @@ class _State(GuardState):
         # the last call's attempts; (size, seconds) for a call whose first attempt
         # succeeded, its record made when asked for
         self.last: Union[list[Attempt], tuple[int, float]] = []
+        # the record made for such a call: (its tuple, the history); only ever written
+        # here, so a reader that made it late never replaces a newer call's attempts
+        self._made: tuple[Any, list[Attempt]] = ((), [])
         super().__init__()
 
     @property
     def history(self) -> list[Attempt]:
         last = self.last
-        if isinstance(last, tuple):
-            self.last = last = [succeeded(last[0], "batch", None, last[1])]
-        return last
+        if not isinstance(last, tuple):
+            return last
+        made = self._made
+        if made[0] is not last:
+            made = self._made = (last, [succeeded(last[0], "batch", None, last[1])])
+        return made[1]
 
     @history.setter
     def history(self, attempts: list[Attempt]) -> None:
@@ -446,19 +455,24 @@ def _first_pass(cfg: _Config, state: _State, wrapped: Callable[..., Any], args: 
     the loop)`` after an out-of-memory, which the loop has recorded as its first attempt's
     and goes on from. Any other exception propagates, as the loop would let it."""
     index = cfg.position(wrapped)
-    if index is not None and len(args) <= cfg.most:  # a plain function: no binding made
+    requested: Any = None
+    if index is not None and len(args) <= cfg.most \
+            and (not kwargs or kwargs.keys() <= cfg.after[len(args)]):
+        # a plain function called as it binds: its size read where it stands
         given = args[index] if len(args) > index else kwargs.get(cfg.arg)
-        requested: Any = given if given is not None else (cfg.batch_size or cfg.default)
-        if type(requested) is int and requested >= cfg.policy.min_batch_size:
-            start = requested
-        else:
-            start = cfg.checked(requested)  # or raises
+        requested = given if given is not None else (cfg.batch_size or cfg.default)
+        if type(requested) is not int or requested < cfg.policy.min_batch_size:
+            index = None  # checked as the loop checks it, its error the same
     else:
+        index = None  # bound as the loop binds it: a call that does not bind raises there
+    if index is None:
         bound = cfg.bind(wrapped, args, kwargs)
         requested, start = cfg.start(bound)
+    else:
+        start = requested
     cached = state.cache.get(requested) if cfg.cache else None  # one read: no lock needed
     size = start if cached is None else cached
-    if index is None or len(args) > cfg.most:
+    if index is None:
         bound.arguments[cfg.arg] = size
         call_args, call_kwargs = bound.split() if type(bound) is _PlainBinding else (
             bound.args, bound.kwargs)

@@ -133,6 +133,54 @@ def test_every_argument_reaches_the_function_as_called_whatever_its_signature():
     assert seen == [(6, 2, 3)] and guarded.batch_size == 2
 
 
+def test_a_call_that_does_not_bind_is_refused_as_such_whatever_its_size():
+    calls = []
+
+    @memguard.oom_retry
+    def train(x, batch_size=64, y=2):
+        calls.append(batch_size)
+        return batch_size
+
+    train(1, 8)
+    for args, kwargs in (((1, -3), {"zz": 1}), ((1, -3), {"batch_size": 8}),
+                         ((1, 64), {"batch_size": 32}), ((1,), {"zz": 1})):
+        with pytest.raises(TypeError, match=r"^(unexpected keyword|multiple values|got an)"):
+            train(*args, **kwargs)
+    with pytest.raises(ValueError, match="got -3"):
+        train(1, -3)
+    # refused before any attempt: the function never ran, the last call's record stands
+    assert calls == [8] and [(a.size, a.ok) for a in train.history] == [(8, True)]
+
+
+def test_a_late_reader_of_history_never_puts_back_an_older_calls_record(monkeypatch):
+    """A call that fits has its record made when ``history`` is read: a reader that read
+    the older call's figures before a newer call ended must not replace the newer call's
+    attempts with the older call's record."""
+    from memguard import retry
+
+    @memguard.oom_retry
+    def train(batch_size=64):
+        if batch_size > 16:
+            raise MemoryError("out of memory")
+        return batch_size
+
+    train(8)
+    made = retry.succeeded
+    newer = []
+
+    def meanwhile(*args, **kwargs):  # another thread's call, between the read and the record
+        if not newer:
+            newer.append(train(64))
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(retry, "succeeded", meanwhile)
+    late = train.history  # the reader, late: the older call's record
+    monkeypatch.setattr(retry, "succeeded", made)
+    assert newer == [16] and [(a.size, a.ok) for a in late] == [(8, True)]
+    assert [(a.size, a.ok) for a in train.history] == [(64, False), (32, False), (16, True)]
+    assert train.batch_size == 16
+
+
 def test_factor_min_batch_size_and_max_attempts():
     calls = []
     train = memguard.oom_retry(batch_size=100, factor=0.75)(workload(40, calls))
