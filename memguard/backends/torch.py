@@ -25,6 +25,9 @@ def _split(device: str) -> tuple[str, int]:
     return kind, int(index) if index else 0
 
 
+_MPS: list[Optional[bool]] = [None]  # whether torch's MPS is available, once asked
+
+
 class TorchBackend(Backend):
     """Memory of torch's accelerators that this process has initialised (MPS once available)."""
 
@@ -39,8 +42,10 @@ class TorchBackend(Backend):
         xpu = getattr(torch, "xpu", None)
         if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():  # pragma: gpu
             kinds.append("xpu")
-        mps = getattr(getattr(torch, "backends", None), "mps", None)
-        if mps is not None and mps.is_available():  # pragma: gpu
+        if _MPS[0] is None:  # a machine's MPS is there or not for the whole run
+            mps = getattr(getattr(torch, "backends", None), "mps", None)
+            _MPS[0] = mps is not None and bool(mps.is_available())
+        if _MPS[0]:  # pragma: gpu
             kinds.append("mps")
         return kinds
 
