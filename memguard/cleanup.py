@@ -292,6 +292,25 @@ def _growth(now: Readings, entry: Readings, field: LevelField, device: str) -> i
     return 0 if a is None or b is None else a - b
 
 
+def _beyond(pairs: Pairs, now: Readings, entry: Readings) -> tuple[list[str], list[Backend]]:
+    """The devices whose ``allocated`` grew past their backend's ``hold_tolerance`` since
+    ``entry`` (memory held: a collection is due), and the backends, each once, with a device
+    whose ``reserved`` grew past its ``reserve_tolerance`` (a cache swollen); in one pass, as
+    every guard's exit asks it next to the step."""
+    held: list[str] = []
+    swollen: list[Backend] = []
+    for backend, device in pairs:
+        a, b = now.get(device, UNKNOWN), entry.get(device, UNKNOWN)
+        if a.allocated is not None and b.allocated is not None \
+                and a.allocated - b.allocated > backend.hold_tolerance:
+            held.append(device)
+        if a.reserved is not None and b.reserved is not None \
+                and a.reserved - b.reserved > backend.reserve_tolerance \
+                and backend not in swollen:
+            swollen.append(backend)
+    return held, swollen
+
+
 def released(before: Readings, after: Readings) -> int:
     """Bytes of ``reserved`` memory given back between two readings (>= 0)."""
     return sum(max(0, -_growth(after, before, "reserved", d)) for d in after if d in before)
@@ -450,9 +469,9 @@ class Settler:
             after = read_all(pairs, kind)
             return Outcome(released(now, after), True, after,
                            full=full_collections() != fulls)
-        held = self._held(pairs, now, entry)
+        held, swollen = _beyond(pairs, now, entry)
         collect = bool(held) and self._gc_ready()
-        if not collect and not self._swollen(pairs, now, entry):
+        if not collect and not swollen:
             self._cache_last = False
             return Outcome(0, False, now, idle=True)
         with interrupts_after():  # only where it acts: holding Ctrl-C costs ~10 us
@@ -487,12 +506,11 @@ class Settler:
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
     def _held(pairs: Pairs, now: Readings, entry: Readings) -> list[str]:
-        return [d for b, d in pairs if _growth(now, entry, "allocated", d) > b.hold_tolerance]
+        return _beyond(pairs, now, entry)[0]
 
     @staticmethod
     def _swollen(pairs: Pairs, now: Readings, entry: Readings) -> list[Backend]:
-        return list({b: None for b, d in pairs
-                     if _growth(now, entry, "reserved", d) > b.reserve_tolerance})
+        return _beyond(pairs, now, entry)[1]
 
     def _gc_ready(self) -> bool:
         return not self.adaptive or self._gc.ready()

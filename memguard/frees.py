@@ -41,7 +41,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _lower(a: Readings, b: Readings) -> Readings:
     """Per device and field, the lower of two readings (``b`` may lack devices)."""
-    return {d: r.lower(b[d]) if d in b else r for d, r in a.items()}
+    out = {}
+    for device, reading in a.items():  # a loop, not a comprehension: one call less a step
+        other = b.get(device)
+        out[device] = reading if other is None else reading.lower(other)
+    return out
 
 
 class _FreesMemory:

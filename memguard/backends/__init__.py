@@ -141,18 +141,24 @@ def resolve_devices(devices: Devices = None) -> list[tuple[Backend, str]]:
     this process has not imported, or that it cannot read, a ``ValueError`` listing the devices
     that can be read.
     """
+    if devices is None:  # every guard's case, at every call: in a loop, few calls
+        pairs: list[tuple[Backend, str]] = [(host, HOST)]
+        for framework, backend in _FRAMEWORKS.items():
+            if framework in sys.modules or framework in _requested:
+                for device in _devices_of(backend):
+                    pairs.append((backend, device))
+        return pairs
     names = check_devices(devices)
-    if names is None:
-        return [(b, d) for b in active_backends() for d in _devices_of(b)]
+    assert names is not None
     pairs = []
     for name in names:
-        backend = _owner(name)
-        if backend is None:
+        owner = _owner(name)
+        if owner is None:
             raise ValueError(f"devices: unknown device {name!r}; this process can read "
                              f"{', '.join(list_devices())}")
-        if isinstance(backend, TorchBackend):
-            name = backend.normalise(name)
-        pairs.append((backend, name))
+        if isinstance(owner, TorchBackend):
+            name = owner.normalise(name)
+        pairs.append((owner, name))
     return pairs
 
 

@@ -72,8 +72,10 @@ class Reading(NamedTuple):
         >>> Reading(5, None).lower(Reading(7, 9))
         Reading(allocated=5, reserved=9)
         """
-        return Reading(_pick(min, self.allocated, other.allocated),
-                       _pick(min, self.reserved, other.reserved))
+        a, b, r, q = self.allocated, other.allocated, self.reserved, other.reserved
+        # in one call, no helper: every frees_memory call makes one next to its step
+        return _new_reading(Reading, (a if b is None else b if a is None else min(a, b),
+                                      r if q is None else q if r is None else min(r, q)))
 
     def higher(self, other: "Reading") -> "Reading":
         """Per field, the higher of two readings (the known one where only one is known).
@@ -83,6 +85,9 @@ class Reading(NamedTuple):
         """
         return Reading(_pick(max, self.allocated, other.allocated),
                        _pick(max, self.reserved, other.reserved))
+
+
+_new_reading = tuple.__new__
 
 
 def _pick(choose: Callable[[int, int], int], x: Optional[int], y: Optional[int]) -> Optional[int]:

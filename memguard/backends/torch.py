@@ -4,6 +4,7 @@ serves the device. CUDA and XPU are read only once the process initialised them 
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from typing import Any, Iterable, Optional
@@ -15,8 +16,9 @@ from .base import UNKNOWN, Backend, DeviceMemory, Reading, TensorRow, subclasses
 
 
 def _torch() -> Any:
-    import torch
-
+    torch = sys.modules.get("torch")  # imported: no import statement's work at every read
+    if torch is None:
+        import torch
     return torch
 
 
@@ -32,6 +34,7 @@ class TorchBackend(Backend):
     """Memory of torch's accelerators that this process has initialised (MPS once available)."""
 
     name = "torch"  # the tolerances are Backend's: 1 MiB held, 64 MiB of cache
+    _known: Optional[tuple[int, tuple[str, ...]]] = None  # (pid, devices) once any is there
 
     # -- which devices ---------------------------------------------------------------------
     def _initialised_types(self) -> list[str]:
@@ -50,6 +53,9 @@ class TorchBackend(Backend):
         return kinds
 
     def devices(self) -> list[str]:
+        known = self._known
+        if known is not None and known[0] == os.getpid():  # pragma: gpu
+            return list(known[1])
         torch = _torch()
         names = []
         for kind in self._initialised_types():  # pragma: gpu
@@ -57,6 +63,8 @@ class TorchBackend(Backend):
                 names.append("mps")
             else:
                 names.extend(f"{kind}:{i}" for i in range(getattr(torch, kind).device_count()))
+        if names:  # an accelerator once initialised stays so, with its devices, in a process
+            self._known = (os.getpid(), tuple(names))  # pragma: gpu
         return names
 
     def owns(self, device: str) -> bool:
