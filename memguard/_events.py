@@ -27,6 +27,10 @@ def unlisten(callback: Callable[[str], None]) -> None:
             _listeners.remove(callback)
 
 
+LISTENERS = _listeners
+"""The listeners themselves, for a hot path to test without a call (``if LISTENERS:``)."""
+
+
 def listening() -> bool:
     """Whether anything listens (a label need not be made otherwise)."""
     return bool(_listeners)

@@ -9,25 +9,26 @@ that happened before a newer one reset the counter.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._checks import flag
 from ._decorate import guard, name_of
-from ._events import emit, listening
+from ._events import LISTENERS, emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
-from .backends import UNKNOWN, Backend, Devices, Reading, check_devices
+from .backends import UNKNOWN, Backend, Devices, Reading, check_devices, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import (
     Cleanup,
     Pairs,
     Readings,
+    Settler,
     cleanup_mode,
     collect_until_clean,
     interrupts_after,
-    no_collection,
     read_all,
     settler_for,
 )
@@ -51,36 +52,54 @@ class _PeakBook:
         """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
         peak counter as read before its reset."""
         # no collection while locked: a finaliser it runs could open a scope in this thread
-        # and wait for ever on the lock
-        with no_collection(), self._lock:
-            for backend, device in pairs:
-                running = self._open.setdefault(device, {})
-                counter = _safe(backend.read_peak, device)
-                if counters is not None:
-                    counters[device] = counter
-                if counter is not None:
-                    for other, value in running.items():
-                        running[other] = max(value, counter)
-                _safe(backend.reset_peak, device)
-                start = _safe(backend.peak_after_reset, device)
-                running[token] = -1 if start is None else start
+        # and wait for ever on the lock (no_collection(), inline: a scope's every call)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with self._lock:
+                for backend, device in pairs:
+                    running = self._open.setdefault(device, {})
+                    try:
+                        counter = backend.read_peak(device)
+                    except Exception as exc:  # noqa: BLE001 - as _safe, inline
+                        counter = _failed(backend.read_peak, device, exc)
+                    if counters is not None:
+                        counters[device] = counter
+                    if counter is not None:
+                        for other, value in running.items():
+                            running[other] = max(value, counter)
+                    _safe(backend.reset_peak, device)
+                    start = _safe(backend.peak_after_reset, device)
+                    running[token] = -1 if start is None else start
+        finally:
+            if collecting:
+                gc.enable()
 
     def exit(self, token: int, pairs: Pairs,
              counters: Optional[dict[str, Optional[int]]] = None) -> dict[str, Optional[int]]:
         """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
         (where given) receives each device's peak counter as read."""
         peaks: dict[str, Optional[int]] = {}
-        with no_collection(), self._lock:  # as in enter
-            for backend, device in pairs:
-                running = self._open.get(device, {})
-                value = running.pop(token, -1)
-                if not running:
-                    self._open.pop(device, None)
-                counter = _safe(backend.read_peak, device)
-                if counters is not None:
-                    counters[device] = counter
-                best = max(value, -1 if counter is None else counter)
-                peaks[device] = None if best < 0 else best
+        collecting = gc.isenabled()  # as in enter
+        gc.disable()
+        try:
+            with self._lock:
+                for backend, device in pairs:
+                    running = self._open.get(device, {})
+                    value = running.pop(token, -1)
+                    if not running:
+                        self._open.pop(device, None)
+                    try:
+                        counter = backend.read_peak(device)
+                    except Exception as exc:  # noqa: BLE001 - as _safe, inline
+                        counter = _failed(backend.read_peak, device, exc)
+                    if counters is not None:
+                        counters[device] = counter
+                    best = max(value, -1 if counter is None else counter)
+                    peaks[device] = None if best < 0 else best
+        finally:
+            if collecting:
+                gc.enable()
         return peaks
 
 
@@ -88,9 +107,19 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
     try:
         return method(device)
     except Exception as exc:  # noqa: BLE001 - a reading must never break the program
-        log.warning("%s(%s) failed: %s", method.__name__, device, exc)
-        return None
+        return _failed(method, device, exc)
 
+
+def _failed(method: Callable[[str], Any], device: str, exc: Exception) -> Any:
+    """What a reading that raised gives: ``None``, and a warning."""
+    log.warning("%s(%s) failed: %s", method.__name__, device, exc)
+    return None
+
+
+#: The settler of each ``cleanup`` mode a scope applies (``None``: only measure). Shared: a
+#: settler that does not adapt keeps no state between blocks.
+_SETTLERS: dict[str, Optional[Settler]] = {
+    mode: settler_for(mode) for mode in ("auto", "always", "never")}
 
 #: The process's one book of peaks: every scope, and each measured trial of
 #: ``find_batch_size(mode="predict")``, enters and leaves it.
@@ -220,12 +249,16 @@ class MemoryScope:
                  cleanup: Cleanup = "auto", max_leak: Optional[Size] = None,
                  track_tensors: bool = False) -> None:
         self.name = name
-        self.devices = check_devices(devices)
-        self.track_tensors = flag(track_tensors, "track_tensors", who="memory_scope")
+        # each value checked where it is not the default (a scope a call, next to the step)
+        self.devices = None if devices is None else check_devices(devices)
+        self.track_tensors = track_tensors if track_tensors is False else flag(
+            track_tensors, "track_tensors", who="memory_scope")
         self.leaks: list[TensorInfo] = []
         self._tensors_before: dict[int, Any] = {}
-        self.cleanup: Cleanup = cleanup_mode(cleanup, "memory_scope")
-        self.max_leak = parse_optional_size(max_leak, "memory_scope: max_leak")
+        self.cleanup: Cleanup = "auto" if cleanup == "auto" and type(cleanup) is str \
+            else cleanup_mode(cleanup, "memory_scope")
+        self.max_leak = None if max_leak is None else parse_optional_size(
+            max_leak, "memory_scope: max_leak")
         # the snapshots are made when first read, from what the scope took: (readings, peak
         # counters, time) under "before" and "after"
         self._taken: dict[str, tuple[Readings, dict[str, Optional[int]], float]] = {}
@@ -247,28 +280,27 @@ class MemoryScope:
         if self._active:
             raise RuntimeError(f"{self._title()} is already open; use a new memory_scope() "
                                f"for each block (as a decorator it makes one per call)")
-        from .backends import resolve_devices
-
         self._pairs = resolve_devices(self.devices)
         self._active = True
         if self._taken:  # entered again: the last block's results are not this one's
             self._taken, self._snapshots, self.leaks = {}, {}, []
             self.peak, self.retained, self.reserved_growth = {}, {}, {}
             self.freed, self.elapsed = 0, None
-        self._census = self.track_tensors or census_needed(self.max_leak)
+        limit = self.max_leak
+        self._census = self.track_tensors or (limit is not None and limit < MIN_LEAK)
         self._uncollected = False
         if self._census:
             self._tensors_before = tensor_ids()
         when = time.time()
         counters: dict[str, Optional[int]] = {}
         peak_book.enter(id(self), self._pairs, counters)
-        if listening():
+        if LISTENERS:
             emit(f"enter {self._title()}")
         # what the block keeps is measured from here, after the scope's own entry work; the
         # snapshot on entry is this reading and the peak counters the book read before its
         # reset (any other read costs microseconds a small step feels)
-        self._entry = read_all(self._pairs)
-        self._took("before", self._entry, counters, when)
+        self._entry = entry = read_all(self._pairs)
+        self._taken["before"] = (entry, counters, when)  # _took, inline
         self._start = time.perf_counter()
         return self
 
@@ -280,6 +312,9 @@ class MemoryScope:
             if exc_type is None:
                 raise
             log.exception("measuring %s failed while the block raised", self._title())
+            return
+        if self.max_leak is None:
+            self._tensors_before = {}
             return
         try:
             self._judge(exc_type)
@@ -303,21 +338,22 @@ class MemoryScope:
     def _finish(self) -> None:
         self.elapsed = time.perf_counter() - self._start
         self._active = False
-        if listening():
+        if LISTENERS:
             emit(f"exit {self._title()}")
         counters: dict[str, Optional[int]] = {}
         self.peak = peak_book.exit(id(self), self._pairs, counters)
         entry = self._entry
-        settler = settler_for(self.cleanup)
+        settler = _SETTLERS[self.cleanup]
         when = time.time()
         collected = False  # in full, finding no garbage, just before ``after``
         if settler is None:
-            self._took("after", read_all(self._pairs), counters, when)
+            self._taken["after"] = (read_all(self._pairs), counters, when)  # _took, inline
         else:
             outcome = settler.settle(self._pairs, entry)
             collected = outcome.full
             self.freed = outcome.freed
-            self._took("after", outcome.after, counters, when)
+            self._taken["after"] = (outcome.after, counters, when)
+        self._snapshots.pop("after", None)
         self._measure(entry)
         census: Optional[list[TensorInfo]] = None
         if self.max_leak is not None and any(n > self.max_leak for n in self.retained.values()):
@@ -379,16 +415,21 @@ class MemoryScope:
     def _measure(self, entry: Readings) -> None:
         readings = self._taken["after"][0]
         for backend, device in self._pairs:
-            after = readings.get(device, UNKNOWN)
-            kept = growth(in_use(backend, entry[device]), in_use(backend, after))
+            before, after = entry[device], readings.get(device, UNKNOWN)
+            kept = growth(in_use(backend, before), in_use(backend, after))
             self.retained[device] = 0 if kept is None else max(0, kept)
-            self.reserved_growth[device] = growth(entry[device].reserved, after.reserved)
+            self.reserved_growth[device] = growth(before.reserved, after.reserved)
             # a peak is at least every level the scope read (the kernel's own mark, reset to
             # an approximate sum of the resident set, can be some 100 kB under it)
-            levels = [v for v in (self.peak.get(device), backend.level(entry[device]),
-                                  backend.level(after)) if v is not None]
-            if levels and (self.peak.get(device) is not None or len(levels) == 2):
-                self.peak[device] = max(levels)
+            peak, first, last = (self.peak.get(device), backend.level(before),
+                                 backend.level(after))
+            if first is None or last is None:
+                levels = [v for v in (peak, first, last) if v is not None]
+                if levels and (peak is not None or len(levels) == 2):
+                    self.peak[device] = max(levels)
+            else:  # both levels read, as they mostly are: no list made
+                self.peak[device] = max(first, last) if peak is None else max(peak, first,
+                                                                               last)
 
     # -- decorator -----------------------------------------------------------------------------
     def __call__(self, func: F) -> F:

@@ -15,14 +15,13 @@ from memguard.loop import Attempt, error_text
 def settles(monkeypatch):
     """Every cleanup a memory_scope runs at its exit, recorded."""
     calls = []
-    real = memguard.cleanup.Settler
+    real = memguard.cleanup.Settler.settle
 
-    class Spy(real):
-        def settle(self, pairs, entry):
-            calls.append(self)
-            return super().settle(pairs, entry)
+    def settle(self, pairs, entry, *args):
+        calls.append(self)
+        return real(self, pairs, entry, *args)
 
-    monkeypatch.setattr(memguard.cleanup, "Settler", Spy)
+    monkeypatch.setattr(memguard.cleanup.Settler, "settle", settle)
     return calls
 
 
