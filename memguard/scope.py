@@ -51,6 +51,18 @@ class _PeakBook:
               counters: Optional[dict[str, Optional[int]]] = None) -> None:
         """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
         peak counter as read before its reset."""
+        self._visit(token, pairs, counters, True)
+
+    def exit(self, token: int, pairs: Pairs,
+             counters: Optional[dict[str, Optional[int]]] = None) -> dict[str, Optional[int]]:
+        """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
+        (where given) receives each device's peak counter as read."""
+        return self._visit(token, pairs, counters, False)
+
+    def _visit(self, token: int, pairs: Pairs, counters: Optional[dict[str, Optional[int]]],
+               opening: bool) -> dict[str, Optional[int]]:
+        """:meth:`enter` (``opening``) or :meth:`exit`, each device's counter read once."""
+        peaks: dict[str, Optional[int]] = {}
         # no collection while locked: a finaliser it runs could open a scope in this thread
         # and wait for ever on the lock (no_collection(), inline: a scope's every call)
         collecting = gc.isenabled()
@@ -58,45 +70,29 @@ class _PeakBook:
         try:
             with self._lock:
                 for backend, device in pairs:
-                    running = self._open.setdefault(device, {})
+                    if opening:
+                        running = self._open.setdefault(device, {})
+                    else:
+                        running = self._open.get(device, {})
+                        value = running.pop(token, -1)
+                        if not running:
+                            self._open.pop(device, None)
                     try:
                         counter = backend.read_peak(device)
                     except Exception as exc:  # noqa: BLE001 - as _safe, inline
                         counter = _failed(backend.read_peak, device, exc)
                     if counters is not None:
                         counters[device] = counter
+                    if not opening:
+                        best = max(value, -1 if counter is None else counter)
+                        peaks[device] = None if best < 0 else best
+                        continue
                     if counter is not None:
-                        for other, value in running.items():
-                            running[other] = max(value, counter)
+                        for other, older in running.items():
+                            running[other] = max(older, counter)
                     _safe(backend.reset_peak, device)
                     start = _safe(backend.peak_after_reset, device)
                     running[token] = -1 if start is None else start
-        finally:
-            if collecting:
-                gc.enable()
-
-    def exit(self, token: int, pairs: Pairs,
-             counters: Optional[dict[str, Optional[int]]] = None) -> dict[str, Optional[int]]:
-        """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
-        (where given) receives each device's peak counter as read."""
-        peaks: dict[str, Optional[int]] = {}
-        collecting = gc.isenabled()  # as in enter
-        gc.disable()
-        try:
-            with self._lock:
-                for backend, device in pairs:
-                    running = self._open.get(device, {})
-                    value = running.pop(token, -1)
-                    if not running:
-                        self._open.pop(device, None)
-                    try:
-                        counter = backend.read_peak(device)
-                    except Exception as exc:  # noqa: BLE001 - as _safe, inline
-                        counter = _failed(backend.read_peak, device, exc)
-                    if counters is not None:
-                        counters[device] = counter
-                    best = max(value, -1 if counter is None else counter)
-                    peaks[device] = None if best < 0 else best
         finally:
             if collecting:
                 gc.enable()
