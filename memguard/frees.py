@@ -4,6 +4,7 @@ call judged against its own entry readings for what it kept.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar, Union, overload
@@ -80,9 +81,6 @@ class _FreesMemory:
         self.depth: Optional[ContextVar[int]] = (
             ContextVar(f"frees_memory {what}", default=0) if recursion else None)
 
-    def call(self) -> "_Call":
-        """The context manager of one call."""
-        return _Call(self)
 
 
 class _Call:
@@ -282,6 +280,7 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
         shared = _FreesMemory(name_of(f), every, mode, limit,
                               recursion=function_kind(f) != "generator", warmup=warmup,
                               track_tensors=track_tensors)
-        return guard(f, shared.call, "frees_memory")
+        # each call's context made by the class itself: one Python call less a step
+        return guard(f, functools.partial(_Call, shared), "frees_memory")
 
     return decorate if func is None else decorate(func)

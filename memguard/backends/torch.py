@@ -37,8 +37,8 @@ class TorchBackend(Backend):
     _known: Optional[tuple[int, tuple[str, ...]]] = None  # (pid, devices) once any is there
 
     # -- which devices ---------------------------------------------------------------------
-    def _initialised_types(self) -> list[str]:
-        torch = _torch()
+    def _initialised_types(self, torch: Any = None) -> list[str]:
+        torch = torch or _torch()
         kinds = []
         if torch.cuda.is_initialized():  # pragma: gpu
             kinds.append("cuda")
@@ -58,7 +58,7 @@ class TorchBackend(Backend):
             return list(known[1])
         torch = _torch()
         names = []
-        for kind in self._initialised_types():  # pragma: gpu
+        for kind in self._initialised_types(torch):  # pragma: gpu
             if kind == "mps":
                 names.append("mps")
             else:
