@@ -230,8 +230,8 @@ class _Config:
 class _PlainBinding:
     """What ``Signature.bind_partial`` gives for a signature whose parameters are all
     positional-or-keyword, made without inspect's walk over every parameter kind: the
-    ``arguments`` in parameter order; ``args`` the values up to the first parameter not
-    given, ``kwargs`` those after it, as ``BoundArguments`` has them."""
+    ``arguments`` in parameter order; :meth:`split` gives the call's ``args`` and
+    ``kwargs`` as ``BoundArguments`` has them."""
 
     __slots__ = ("names", "arguments")
 
@@ -240,7 +240,8 @@ class _PlainBinding:
         self.arguments = arguments
 
     def split(self) -> tuple[tuple, dict[str, Any]]:
-        """``(args, kwargs)`` in one pass over the names."""
+        """``(args, kwargs)``: the values up to the first parameter not given, and those
+        after it, in one pass over the names."""
         arguments, names = self.arguments, self.names
         count = 0
         for name in names:
@@ -252,22 +253,13 @@ class _PlainBinding:
         return (tuple(map(arguments.__getitem__, names[:count])),
                 {name: arguments[name] for name in names[count:] if name in arguments})
 
-    def _given(self) -> int:
-        count = 0
-        for name in self.names:
-            if name not in self.arguments:
-                break
-            count += 1
-        return count
 
-    @property
-    def args(self) -> tuple:
-        return tuple(self.arguments[name] for name in self.names[:self._given()])
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return {name: self.arguments[name] for name in self.names[self._given():]
-                if name in self.arguments}
+def _call_arguments(bound: Union[inspect.BoundArguments, _PlainBinding]
+                    ) -> tuple[tuple, dict[str, Any]]:
+    """The ``args`` and ``kwargs`` a binding calls the function with."""
+    if isinstance(bound, _PlainBinding):
+        return bound.split()
+    return bound.args, bound.kwargs
 
 
 class _State(GuardState):
@@ -374,9 +366,7 @@ class _Run(Loop):
         bound.arguments[cfg.arg] = self.size
         if cfg.keep_effective_batch:
             bound.arguments[cfg.accumulation_arg] = self.steps()
-        if type(bound) is _PlainBinding:
-            return bound.split()
-        return bound.args, bound.kwargs
+        return _call_arguments(bound)
 
     # -- the loop's hooks ------------------------------------------------------------------
     def steps(self) -> Optional[int]:
@@ -474,8 +464,7 @@ def _first_pass(cfg: _Config, state: _State, wrapped: Callable[..., Any], args: 
     size = start if cached is None else cached
     if index is None:
         bound.arguments[cfg.arg] = size
-        call_args, call_kwargs = bound.split() if type(bound) is _PlainBinding else (
-            bound.args, bound.kwargs)
+        call_args, call_kwargs = _call_arguments(bound)
     elif len(args) > index:
         call_args, call_kwargs = (*args[:index], size, *args[index + 1:]), kwargs
     else:  # by name: the same call to a plain function
