@@ -339,7 +339,9 @@ class MemoryScope:
         counters: dict[str, Optional[int]] = {}
         self.peak = peak_book.exit(id(self), self._pairs, counters)
         entry = self._entry
-        settler = _SETTLERS[self.cleanup]
+        # a mode set on the attribute since is checked as the constructor checks it
+        settler = _SETTLERS[self.cleanup] if self.cleanup in _SETTLERS else settler_for(
+            cleanup_mode(self.cleanup, "memory_scope"))
         when = time.time()
         collected = False  # in full, finding no garbage, just before ``after``
         if settler is None:

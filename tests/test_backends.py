@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -147,6 +149,30 @@ def test_descriptors_a_program_closed_are_never_used_for_its_own_files(python_in
     assert out["logs"] == ["line"]
     assert out["leak"] >= 50 * MiB
     assert out["peak"] >= 100 * MiB and out["total"] > out["peak"]
+
+
+def test_a_kept_proc_file_whose_number_now_holds_a_programs_file_is_read_again(tmp_path):
+    # a read of a /proc file this process opened skips the identity check and judges the text
+    # instead: a program's file under the number, even one of numbers, is never taken for it
+    from memguard.backends.host import _is_statm, _is_status, _ProcFile
+
+    for name, check, fake in (("statm", _is_statm, b"1000 2000 300 4 0 500 0\n"),
+                              ("status", _is_status, b"Name:\tlog\nState:\tR\n")):
+        kept = _ProcFile(name, check)
+        assert check(kept.read())
+        path = tmp_path / name
+        path.write_bytes(fake)
+        number = kept.file.fd
+        theirs = os.open(path, os.O_RDONLY)
+        os.dup2(theirs, number)  # as a program that closed it and opened its own file
+        os.close(theirs)
+        try:
+            text = kept.read()
+            assert check(text) and text != fake and kept.file.fd != number
+            assert os.pread(number, 100, 0) == fake  # theirs: neither moved nor closed
+        finally:
+            os.close(number)
+            kept.close()
 
 
 def test_a_fork_made_in_c_finds_memguards_locks_unlocked(python_in_subprocess):

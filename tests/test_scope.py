@@ -316,3 +316,17 @@ def test_a_scope_entered_again_shows_none_of_its_last_results_while_open():
         assert scope.after is None and scope.peak == {} and scope.retained == {}
         del block
     assert scope.after is not None and "host" in scope.peak
+
+
+def test_a_cleanup_set_on_the_attribute_since_is_checked_as_the_constructor_checks_it():
+    scope = memguard.memory_scope()
+    scope.cleanup = "bogus"
+    with pytest.raises(ValueError, match="memory_scope: cleanup must be 'auto', 'always' or"):
+        with scope:
+            pass
+    scope = memguard.memory_scope("block")
+    scope.cleanup = "never"  # a valid mode set since: it applies
+    with scope:
+        kept = bytearray(8 << 20)
+    assert scope.freed == 0 and scope.retained["host"] >= 8 << 20
+    del kept

@@ -189,13 +189,22 @@ _MAIN = [threading.main_thread().ident]  # the main thread's, the forking thread
 
 
 def _is_statm(text: bytes) -> bool:
-    """Whether ``text`` reads as ``/proc/<pid>/statm``: seven numbers on one line."""
-    return text[:1].isdigit() and text.count(b" ") == 6 and text.endswith(b"\n")
+    r"""Whether ``text`` reads as ``/proc/<pid>/statm``: seven numbers on one line, the
+    resident set within the size, the fifth and seventh 0 (the kernel has not filled them
+    since 2.6).
+
+    >>> _is_statm(b"1000 200 100 4 0 500 0\n"), _is_statm(b"1000 2000 300 4 0 500 0\n")
+    (True, False)
+    """
+    fields = text.split()
+    return (len(fields) == 7 and text.endswith(b"\n") and fields[4] == b"0"
+            and fields[6] == b"0" and fields[0].isdigit() and fields[1].isdigit()
+            and int(fields[1]) <= int(fields[0]))
 
 
 def _is_status(text: bytes) -> bool:
     """Whether ``text`` reads as ``/proc/<pid>/status``."""
-    return text.startswith(b"Name:")
+    return text.startswith(b"Name:") and b"\nTgid:" in text and b"\nVmRSS:" in text
 
 
 def _is_meminfo(text: bytes) -> bool:
