@@ -25,17 +25,6 @@ def check_sync(sync: object, who: str = "sync") -> Sync:
     return sync
 
 
-def alone(sync: Sync) -> bool:
-    """Whether an :class:`Agreement` under ``sync`` would be inactive (this rank decides
-    alone); False for ``sync=True``, whose agreement checks the process group itself."""
-    if sync is False:
-        return True
-    if sync is True:
-        return False
-    world = torch_distributed.world()
-    return world is None or world[1] <= 1
-
-
 class Agreement:
     """The ranks' common view of one attempt: the worst status and the smallest size
     (``sync="auto"``: when more than one rank is initialised)."""

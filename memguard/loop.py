@@ -384,15 +384,14 @@ def running() -> bool:
     return bool(nest) and bool(_live(nest))
 
 
-def running_here() -> bool:
-    """Whether any attempt's entry is in this context, suspended generators' included (the
-    cheap test: where it says False, no guard surrounds the code)."""
-    return bool(_NEST.get())
+running_here: Callable[[], _Nest] = _NEST.get
+"""The attempts' entries in this context, suspended generators' included: the cheap test
+(a call of C, no Python frame), where an empty one says no guard surrounds the code."""
 
 
 def enter_first(owner: Any, loop: Optional[Loop] = None) -> _Entry:
     """:func:`enter_attempt` for an attempt that no other attempt surrounds
-    (:func:`running_here` said False), entered by a frame that is not a generator's; its
+    (:func:`running_here` gave none), entered by a frame that is not a generator's; its
     ``gave_up`` records what guards nested in it give up at. :func:`leave_first` ends it."""
     entry = _make_entry(_Entry, (owner, loop, None, {}))
     _NEST.set((entry,))
