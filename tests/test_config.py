@@ -88,7 +88,9 @@ def test_memory_limit_after_a_freed_heap_gives_the_smaller_device(python_in_subp
                           "available": available >> 20, "taken": (inside - outside) >> 20}))
     """)
     assert out["freed"] >= 700, out  # the heap held the freed tensors
-    assert out["available"] <= 136, out  # what memguard's sizing reads: the smaller device
+    # what memguard's sizing reads: the smaller device, not the free pieces of the heap
+    # before it (10 MiB of them where the modules were loaded from .pyc files)
+    assert out["available"] <= 128, out
     assert abs(out["taken"]) <= 8, out  # the blocks kept out of reach are not the program's
     assert 16 <= out["allocated"] <= 128, out
     assert out["after"] == 400

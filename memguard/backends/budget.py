@@ -133,6 +133,10 @@ def budgets(device: str = "host", *,
         if space is not None:  # blocks malloc freed are mapped, yet the next ones use them
             # what malloc and TensorFlow's CPU pool hold free: mapped, yet reused next
             free = (malloc_free() or 0) + tensorflow_backend.cpu_pool_free()
+            if space[0] == "memory_limit":
+                # a rehearsed device reuses only what it mapped itself: what was free before
+                # it opened (the pieces too small to be taken out of reach) is not its own
+                free = min(free, space[2])
             found.append(Budget(device, space[0], space[1], space[2], free))
         group = cgroup_memory_budget()
         if group is not None:
