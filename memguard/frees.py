@@ -82,7 +82,6 @@ class _FreesMemory:
             ContextVar(f"frees_memory {what}", default=0) if recursion else None)
 
 
-
 class _Call:
     """One call of a ``@frees_memory`` function: its depth and its own entry readings."""
 

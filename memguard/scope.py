@@ -77,10 +77,7 @@ class _PeakBook:
                         value = running.pop(token, -1)
                         if not running:
                             self._open.pop(device, None)
-                    try:
-                        counter = backend.read_peak(device)
-                    except Exception as exc:  # noqa: BLE001 - as _safe, inline
-                        counter = _failed(backend.read_peak, device, exc)
+                    counter = _safe(backend.read_peak, device)
                     if counters is not None:
                         counters[device] = counter
                     if not opening:
@@ -103,13 +100,8 @@ def _safe(method: Callable[[str], Any], device: str) -> Any:
     try:
         return method(device)
     except Exception as exc:  # noqa: BLE001 - a reading must never break the program
-        return _failed(method, device, exc)
-
-
-def _failed(method: Callable[[str], Any], device: str, exc: Exception) -> Any:
-    """What a reading that raised gives: ``None``, and a warning."""
-    log.warning("%s(%s) failed: %s", method.__name__, device, exc)
-    return None
+        log.warning("%s(%s) failed: %s", method.__name__, device, exc)
+        return None
 
 
 #: The settler of each ``cleanup`` mode a scope applies (``None``: only measure). Shared: a
@@ -282,8 +274,7 @@ class MemoryScope:
             self._taken, self._snapshots, self.leaks = {}, {}, []
             self.peak, self.retained, self.reserved_growth = {}, {}, {}
             self.freed, self.elapsed = 0, None
-        limit = self.max_leak
-        self._census = self.track_tensors or (limit is not None and limit < MIN_LEAK)
+        self._census = self.track_tensors or census_needed(self.max_leak)
         self._uncollected = False
         if self._census:
             self._tensors_before = tensor_ids()
@@ -295,8 +286,8 @@ class MemoryScope:
         # what the block keeps is measured from here, after the scope's own entry work; the
         # snapshot on entry is this reading and the peak counters the book read before its
         # reset (any other read costs microseconds a small step feels)
-        self._entry = entry = read_all(self._pairs)
-        self._taken["before"] = (entry, counters, when)  # _took, inline
+        self._entry = read_all(self._pairs)
+        self._took("before", self._entry, counters, when)
         self._start = time.perf_counter()
         return self
 
@@ -308,9 +299,6 @@ class MemoryScope:
             if exc_type is None:
                 raise
             log.exception("measuring %s failed while the block raised", self._title())
-            return
-        if self.max_leak is None:
-            self._tensors_before = {}
             return
         try:
             self._judge(exc_type)
@@ -345,13 +333,12 @@ class MemoryScope:
         when = time.time()
         collected = False  # in full, finding no garbage, just before ``after``
         if settler is None:
-            self._taken["after"] = (read_all(self._pairs), counters, when)  # _took, inline
+            self._took("after", read_all(self._pairs), counters, when)
         else:
             outcome = settler.settle(self._pairs, entry)
             collected = outcome.full
             self.freed = outcome.freed
-            self._taken["after"] = (outcome.after, counters, when)
-        self._snapshots.pop("after", None)
+            self._took("after", outcome.after, counters, when)
         self._measure(entry)
         census: Optional[list[TensorInfo]] = None
         if self.max_leak is not None and any(n > self.max_leak for n in self.retained.values()):
@@ -419,15 +406,10 @@ class MemoryScope:
             self.reserved_growth[device] = growth(before.reserved, after.reserved)
             # a peak is at least every level the scope read (the kernel's own mark, reset to
             # an approximate sum of the resident set, can be some 100 kB under it)
-            peak, first, last = (self.peak.get(device), backend.level(before),
-                                 backend.level(after))
-            if first is None or last is None:
-                levels = [v for v in (peak, first, last) if v is not None]
-                if levels and (peak is not None or len(levels) == 2):
-                    self.peak[device] = max(levels)
-            else:  # both levels read, as they mostly are: no list made
-                self.peak[device] = max(first, last) if peak is None else max(peak, first,
-                                                                               last)
+            levels = [v for v in (self.peak.get(device), backend.level(before),
+                                  backend.level(after)) if v is not None]
+            if levels and (self.peak.get(device) is not None or len(levels) == 2):
+                self.peak[device] = max(levels)
 
     # -- decorator -----------------------------------------------------------------------------
     def __call__(self, func: F) -> F:

@@ -343,12 +343,10 @@ class HostBackend(Backend):
         """``(handed_out(), rss())`` in as few calls as can be: every guard reads it twice
         a call, next to the step's work, where each Python call costs about a microsecond."""
         rss = self.rss()
-        mallinfo2 = _glibc.get("mallinfo2") if "loaded" in _glibc else _libc().get("mallinfo2")
-        if mallinfo2 is None:
+        used = self.malloc_in_use()
+        if used is None:
             return _reading(Reading, (rss, rss))
-        info = mallinfo2()
-        used = info.uordblks + info.hblkhd - _TAKEN[0]
-        if "tensorflow" in sys.modules:
+        if "tensorflow" in sys.modules:  # handed_out(), without its call where TF is not in
             used += cpu_pool_in_use()
         return _reading(Reading, (used, rss))
 
@@ -389,10 +387,7 @@ class HostBackend(Backend):
             return Reading(rss, rss)
         start = time.perf_counter()
         reading = self._read_fast()
-        if time.perf_counter() - start <= SLOW_MALLINFO:
-            self._slow_mallinfo = 0  # _judge_mallinfo's common case, without its call
-        else:
-            self._judge_mallinfo(start)
+        self._judge_mallinfo(start)
         return reading
 
     def read_quick(self, device: str = HOST,
