@@ -238,6 +238,26 @@ def test_a_storage_only_a_graph_keeps_is_counted_and_traced():
     assert not any(info.id == leak.id for info in memguard.live_tensors())
 
 
+def test_a_subclass_that_raises_from_grad_fn_leaves_the_other_graphs_traced():
+    class Odd(torch.Tensor):
+        """A program's subclass whose ``grad_fn`` cannot be read."""
+
+        @property
+        def grad_fn(self):  # type: ignore[override]
+            raise ValueError("no graph here")
+
+    odd = torch.ones(3).as_subclass(Odd)
+    x = torch.randn(2048, 2048, requires_grad=True)
+    LOSSES.append((x.exp() * 2).sum())
+    try:
+        leak = next(info for info in memguard.live_tensors(min_bytes=MiB) if info.id < 0)
+        assert leak.held_by == (f"saved by the graph of float32[] held by module {__name__}, "
+                                f"global LOSSES[0]")
+        assert any(info.id == id(odd) for info in memguard.live_tensors())
+    finally:
+        LOSSES.clear()
+
+
 def test_the_census_keeps_no_graph_or_tensor_alive():
     model = deep_model()
     validate(model, 2)

@@ -335,8 +335,12 @@ def census_rows(tensors: list[Any], names: dict[int, str]
             pointer = storage.data_ptr()
             if not pointer:
                 continue
-            device, dtype = tensor.device, tensor.dtype
-            device = known.get(device) or dtype_name(device)
+            if tensor.is_cpu:  # a flag, where .device makes an object to look up
+                device = "cpu"
+            else:
+                device = tensor.device
+                device = known.get(device) or dtype_name(device)
+            dtype = tensor.dtype
             ident = id(tensor)
             add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
                                      tensor.shape, storage.nbytes(), is_view(tensor),
