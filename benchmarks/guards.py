@@ -219,7 +219,40 @@ def inference(quick: bool) -> list[Result]:
     rows = []
     for fragmented in (False, True):
         rows.append(_inference(quick, fragmented))
+    rows.append(_served(quick))
     return rows
+
+
+def _served(quick: bool) -> Result:
+    """Benchmark 1d on a served model: a GPT-2 of 12 layers (164 modules; Hugging Face's model
+    class overrides ``train``) put in eval mode once, a forward of one 32-token sequence under
+    ``inference_mode(model)`` against the same under ``torch.no_grad()``, paired as 1d is.
+    What a block costs grows with the modules it walks; this row is the many-module case
+    that 1d's five-module MLP does not show."""
+    runs, pairs = (1, 40) if quick else (3, 150)
+    ratios, peer_ms = _paired("""
+import torch, transformers
+torch.manual_seed(0)
+torch.set_num_threads(1)
+transformers.logging.set_verbosity_error()
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_layer=12, n_embd=128, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)).eval()
+tokens = torch.randint(0, 1000, (1, 32))
+import memguard
+
+def forward_no_grad():
+    with torch.no_grad():
+        model(tokens)
+
+def forward_memguard():
+    with memguard.inference_mode(model):
+        model(tokens)
+""", "forward_memguard", "forward_no_grad", runs, pairs)
+    ratio = statistics.median(ratios)
+    return Result("1d inference_mode forward, served GPT-2 (164 modules)", ratio * peer_ms,
+                  peer_ms, "ms", "torch.no_grad forward", "<= 1.02x", ratio <= 1.02,
+                  f"model in eval mode; median of {runs} processes' medians of {pairs} paired "
+                  "ratios (" + ", ".join(f"{r:.3f}" for r in ratios) + ")")
 
 
 def _inference(quick: bool, fragmented: bool) -> Result:

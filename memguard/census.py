@@ -14,7 +14,7 @@ import itertools
 import operator
 import sys
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ._checks import positive_int
 from ._units import Size, format_bytes, format_table, parse_size
@@ -369,7 +369,8 @@ def live_tensors(device: Optional[str] = None, *, min_bytes: Size = 0,
     return infos
 
 
-_drain = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
+_drain: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend
+"""Runs an iterator to its end, keeping nothing."""
 
 
 _nbytes_of = operator.itemgetter(TensorRow._fields.index("nbytes"))

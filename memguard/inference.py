@@ -269,7 +269,11 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Union[InferenceMo
 
     With torch: enters ``torch.inference_mode()``, switches each ``torch.nn.Module`` to
     ``eval()``, and on exit (also on an exception) restores every submodule's own ``training``
-    flag; then cleans up. ``cleanup="auto"`` (the default) watches what each device's allocator
+    flag; then cleans up. A model whose every submodule is already in eval mode (put there once
+    to serve) is not switched again: its ``train`` is not called, and on exit only a flag the
+    block's own code turned on is set back.
+
+    ``cleanup="auto"`` (the default) watches what each device's allocator
     hands out, at a cost kept to about 0.1% of the time spent in blocks: a check (microseconds)
     runs at the exit of a block once the blocks since the previous check have run 1,000 times as
     long as that check took (``CHECK_SHARE``: so every block that long, every few shorter

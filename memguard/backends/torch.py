@@ -160,17 +160,24 @@ def is_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-InferenceState = tuple[Any, list[Any], bool]
+InferenceState = tuple[Any, list[Any], list[Any]]
 """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
-inference-mode guard entered, the modules switched off (each once), and whether the flags
-were written directly (else each model's own ``eval()`` ran, and the flags go back through
-``__setattr__``)."""
+inference-mode guard entered, the modules of the block's tree (each once), and the block's
+token: a list that is a key of :data:`_QUIET` while the block is quiet."""
 
 _INSIDE: dict[int, list[Any]] = {}
-"""Per module in an inference block now (by ``id``: each is kept alive by the blocks' states):
-``[blocks inside, training flag before the first]``. Blocks on one model overlap (two threads
-serving one model): the first to enter saves the flag, the last to leave puts it back, so no
-block runs with the flag another restored and the model ends as it was before the first."""
+"""Per module switched by an inference block inside now (by ``id``: each is kept alive by the
+blocks' states): ``[blocks inside, training flag before the first]``. Blocks on one model
+overlap (two threads serving one model): the first to enter saves the flag, the last to leave
+puts it back, so no block runs with the flag another restored and the model ends as it was
+before the first."""
+_QUIET: dict[int, list[Any]] = {}
+"""The quiet blocks inside now, by ``id`` of their token: their modules. A block is quiet when
+it enters with every module of its tree already in eval mode and no block registered in
+:data:`_INSIDE` (a model put in eval once, then served): it switches nothing and registers
+nothing per module (on a 164-module GPT-2, the registration and the flags' walk back through
+``__setattr__`` cost more than 0.5 ms a block). A block that must register turns every quiet
+block into a registered one first, with the flag they all entered with: ``False``."""
 _INSIDE_LOCK = ForkSafeLock(reentrant=True)  # reentrant: a module's own eval() may enter one
 
 _CLASSES: list[Any] = []
@@ -223,37 +230,32 @@ def module_tree(models: Iterable[Any]) -> list[Any]:
 
 def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     """Enter ``torch.inference_mode()`` and put every module in eval mode (flags written directly
-    where no module overrides ``train``/``__setattr__``); ``None`` without torch or models."""
+    where no module overrides ``train``/``__setattr__``; a tree already in eval mode is left as
+    it is); ``None`` without torch or models."""
     if not models and "torch" not in sys.modules:
         return None
-    _, train, setattr_, guard = _CLASSES or _classes()
+    guard = (_CLASSES or _classes())[3]
     modules = module_tree(models)
-    direct = True
-    for module in modules:
-        cls = type(module)
-        if cls.train is not train or cls.__setattr__ is not setattr_:
-            direct = False
-            break
+    token: list[Any] = []
+    state = (None, modules, token)
     with _INSIDE_LOCK:
-        inside = _INSIDE
-        for module in modules:
-            entry = inside.get(id(module))
-            if entry is None:
-                inside[id(module)] = [1, module.training]
-            else:
-                entry[0] += 1
-        try:
-            if direct:
-                for module in modules:
-                    _write(module, "training", False)
-            else:
-                for model in models:
-                    model.eval()
-        except BaseException:
-            _restore((None, modules, direct))
-            raise
+        training = _training(modules)
+        if not training and not _INSIDE:
+            _QUIET[id(token)] = modules
+        else:
+            if _QUIET:
+                for quiet in _QUIET.values():
+                    _register(quiet, False)
+                _QUIET.clear()
+            _register(modules, None)
+            if training:
+                try:
+                    _switch_off(models, modules)
+                except BaseException:
+                    _restore(state)
+                    raise
     context = guard(True)
-    state = (context, modules, direct)
+    state = (context, modules, token)
     try:
         context.__enter__()
     except BaseException:
@@ -262,10 +264,51 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     return state
 
 
+def _switch_off(models: tuple[Any, ...], modules: list[Any]) -> None:
+    """Put ``models`` (whose trees are ``modules``) in eval mode: the flags written directly
+    where no module overrides ``train`` or ``__setattr__``, else each model's own ``eval()``."""
+    _, train, setattr_, _ = _CLASSES
+    for module in modules:
+        cls = type(module)
+        if cls.train is not train or cls.__setattr__ is not setattr_:
+            for model in models:
+                model.eval()
+            return
+    for module in modules:
+        _write(module, "training", False)
+
+
+def _training(modules: list[Any]) -> bool:
+    """Whether any of ``modules`` is in training mode."""
+    for module in modules:
+        if module.training:
+            return True
+    return False
+
+
+def _register(modules: list[Any], flag: Optional[bool]) -> None:
+    """Count a block in on each of ``modules``; the first block on one saves its flag (``flag``,
+    or the module's own where ``None``)."""
+    inside = _INSIDE
+    for module in modules:
+        entry = inside.get(id(module))
+        if entry is None:
+            inside[id(module)] = [1, module.training if flag is None else flag]
+        else:
+            entry[0] += 1
+
+
 def _restore(state: InferenceState) -> None:
-    """Leave the block for each module; the last block to leave one restores its flag."""
-    _, modules, direct = state
+    """Leave the block for each module; the last block to leave one restores its flag (a quiet
+    block's modules were all in eval mode: any switched inside goes back)."""
+    _, modules, token = state
+    setattr_ = _CLASSES[2]
     with _INSIDE_LOCK:
+        if _QUIET.pop(id(token), None) is not None:
+            for module in modules:
+                if module.training:
+                    _put(module, False, setattr_)
+            return
         inside = _INSIDE
         for module in modules:
             entry = inside[id(module)]
@@ -273,10 +316,16 @@ def _restore(state: InferenceState) -> None:
             if entry[0]:
                 continue
             del inside[id(module)]
-            if direct:
-                _write(module, "training", entry[1])
-            else:
-                module.training = entry[1]
+            if module.training != entry[1]:
+                _put(module, entry[1], setattr_)
+
+
+def _put(module: Any, flag: bool, setattr_: Any) -> None:
+    """Set ``module``'s flag: directly, or through the ``__setattr__`` its class overrides."""
+    if type(module).__setattr__ is setattr_:
+        _write(module, "training", flag)
+    else:
+        module.training = flag
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
