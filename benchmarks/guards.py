@@ -208,7 +208,8 @@ print(json.dumps(interleaved({{"bare": step, "auto": auto}}, {rounds}, {per_roun
 def inference(quick: bool) -> list[Result]:
     """Benchmark 1d: a forward pass of benchmark 1's MLP (about 1-3 ms on a CPU core) under
     ``inference_mode(model)`` (cleanup ``"auto"``) against the same forward under
-    ``torch.no_grad()``.
+    ``torch.no_grad()``; the same on a fragmented heap, and on a served GPT-2 of 164 modules
+    (:func:`_served`).
 
     Fair to the peer: one thread, short rounds (5 forwards) in adjacent pairs, which of the
     two goes first alternating; each process's figure is the median of its pairs' ratios, so
@@ -230,37 +231,30 @@ def _served(quick: bool) -> Result:
     What a block costs grows with the modules it walks; this row is the many-module case
     that 1d's five-module MLP does not show."""
     runs, pairs = (1, 40) if quick else (3, 150)
-    ratios, peer_ms = _paired("""
+    return _forwards("""
 import torch, transformers
 torch.manual_seed(0)
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
     n_layer=12, n_embd=128, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)).eval()
-tokens = torch.randint(0, 1000, (1, 32))
-import memguard
-
-def forward_no_grad():
-    with torch.no_grad():
-        model(tokens)
-
-def forward_memguard():
-    with memguard.inference_mode(model):
-        model(tokens)
-""", "forward_memguard", "forward_no_grad", runs, pairs)
-    ratio = statistics.median(ratios)
-    return Result("1d inference_mode forward, served GPT-2 (164 modules)", ratio * peer_ms,
-                  peer_ms, "ms", "torch.no_grad forward", "<= 1.02x", ratio <= 1.02,
-                  f"model in eval mode; median of {runs} processes' medians of {pairs} paired "
-                  "ratios (" + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+x = torch.randint(0, 1000, (1, 32))
+""", "1d inference_mode forward, served GPT-2 (164 modules)", runs, pairs, "model in eval mode; ")
 
 
 def _inference(quick: bool, fragmented: bool) -> Result:
     """One row of benchmark 1d; ``fragmented``: on a heap holding 10,000 free blocks between
     live ones (a long-running server's), where glibc's ``mallinfo2`` takes milliseconds."""
     runs, pairs = (1, 60) if quick else (3, 200)
-    setup = FRAGMENT if fragmented else ""
-    ratios, peer_ms = _paired(STEP + setup + """
+    return _forwards(STEP + (FRAGMENT if fragmented else ""),
+                     "1d inference_mode forward" + (" (fragmented heap)" if fragmented else ""),
+                     runs, pairs)
+
+
+def _forwards(setup: str, label: str, runs: int, pairs: int, note: str = "") -> Result:
+    """A row of benchmark 1d: ``model(x)``, which ``setup`` defines, under
+    ``inference_mode(model)`` against ``torch.no_grad()``, paired (:func:`_paired`)."""
+    ratios, peer_ms = _paired(setup + """
 import memguard
 
 def forward_no_grad():
@@ -272,11 +266,9 @@ def forward_memguard():
         model(x)
 """, "forward_memguard", "forward_no_grad", runs, pairs)
     ratio = statistics.median(ratios)
-    label = "1d inference_mode forward" + (" (fragmented heap)" if fragmented else "")
-    return Result(label, ratio * peer_ms, peer_ms, "ms",
-                  "torch.no_grad forward", "<= 1.02x", ratio <= 1.02,
-                  f"median of {runs} processes' medians of {pairs} paired ratios ("
-                  + ", ".join(f"{r:.3f}" for r in ratios) + ")")
+    return Result(label, ratio * peer_ms, peer_ms, "ms", "torch.no_grad forward", "<= 1.02x",
+                  ratio <= 1.02, f"{note}median of {runs} processes' medians of {pairs} "
+                  "paired ratios (" + ", ".join(f"{r:.3f}" for r in ratios) + ")")
 
 
 SMALL_STEP = """
