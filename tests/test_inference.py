@@ -324,6 +324,58 @@ def test_blocks_that_overlap_a_quiet_one_leave_the_model_as_before_the_first():
     assert seen and not any(any(f) for f in seen)
 
 
+def test_the_last_quiet_block_to_leave_puts_a_switched_flag_back():
+    # as for blocks that switched the model: a flag the inner block's code turned on stays
+    # until the last block on that module leaves; a module no other block is on goes back
+    model, alone = torch.nn.Linear(2, 2).eval(), torch.nn.Linear(2, 2).eval()
+    with memguard.inference_mode(model, cleanup="never"):
+        with memguard.inference_mode(model, alone, cleanup="never"):
+            model.train()
+            alone.train()
+        assert model.training and not alone.training
+    assert not model.training and not alone.training
+
+
+def test_a_forked_child_ends_the_blocks_of_threads_it_does_not_have(python_in_subprocess):
+    # a thread of the parent was inside a block at the fork: in the child that block never
+    # leaves, and its registration kept the child's own blocks from putting the flag back
+    out = python_in_subprocess("""
+        import json, os, threading
+        import torch, memguard
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))  # training
+        served = torch.nn.Linear(2, 2).eval()
+        inside, leave = threading.Event(), threading.Event()
+
+        def block():
+            with memguard.inference_mode(model, served, cleanup="never"):
+                inside.set()
+                leave.wait(10)
+
+        thread = threading.Thread(target=block)
+        thread.start()
+        assert inside.wait(10)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                seen = [model.training]
+                with memguard.inference_mode(model, cleanup="never"):
+                    seen.append(model.training)
+                seen += [model.training, served.training]
+                os.write(write, json.dumps(seen).encode())
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        child = json.loads(os.read(read, 1000))
+        parent_inside = model.training
+        leave.set()
+        thread.join()
+        print(json.dumps({"child": child, "parent": [parent_inside, model.training,
+                                                    served.training]}))
+    """)
+    assert out == {"child": [True, False, True, False], "parent": [False, True, False]}, out
+
+
 def test_a_module_shared_by_two_models_gets_its_own_flag_back():
     shared = torch.nn.Linear(2, 2)
     first, second = torch.nn.Sequential(shared), torch.nn.Sequential(shared, torch.nn.ReLU())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from threading import get_ident
 from typing import Any, Iterable, Optional
 
 from .._locks import ForkSafeLock
@@ -163,7 +164,7 @@ def is_module(obj: object) -> bool:
 InferenceState = tuple[Any, list[Any], list[Any]]
 """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
 inference-mode guard entered, the modules of the block's tree (each once), and the block's
-token: a list that is a key of :data:`_QUIET` while the block is quiet."""
+token: a list whose ``id`` keys the block in :data:`_QUIET` or :data:`_BLOCKS`."""
 
 _INSIDE: dict[int, list[Any]] = {}
 """Per module switched by an inference block inside now (by ``id``: each is kept alive by the
@@ -171,8 +172,12 @@ blocks' states): ``[blocks inside, training flag before the first]``. Blocks on 
 overlap (two threads serving one model): the first to enter saves the flag, the last to leave
 puts it back, so no block runs with the flag another restored and the model ends as it was
 before the first."""
-_QUIET: dict[int, list[Any]] = {}
-"""The quiet blocks inside now, by ``id`` of their token: their modules. A block is quiet when
+_BLOCKS: dict[int, tuple[int, list[Any]]] = {}
+"""The registered blocks inside now, by ``id`` of their token: ``(thread, modules)``; a child
+made by ``os.fork()`` ends those of the threads it does not have (:func:`_after_fork`)."""
+_QUIET: dict[int, tuple[int, list[Any]]] = {}
+"""The quiet blocks inside now, by ``id`` of their token: ``(thread, modules)``. A block is
+quiet when
 it enters with every module of its tree already in eval mode and no block registered in
 :data:`_INSIDE` (a model put in eval once, then served): it switches nothing and registers
 nothing per module (on a 164-module GPT-2, the registration and the flags' walk back through
@@ -241,13 +246,11 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     with _INSIDE_LOCK:
         training = _training(modules)
         if not training and not _INSIDE:
-            _QUIET[id(token)] = modules
+            _QUIET[id(token)] = (get_ident(), modules)
         else:
-            if _QUIET:
-                for quiet in _QUIET.values():
-                    _register(quiet, False)
-                _QUIET.clear()
+            _register_quiet()
             _register(modules, None)
+            _BLOCKS[id(token)] = (get_ident(), modules)
             if training:
                 try:
                     _switch_off(models, modules)
@@ -286,6 +289,14 @@ def _training(modules: list[Any]) -> bool:
     return False
 
 
+def _register_quiet() -> None:
+    """Turn the quiet blocks inside into registered ones, with the flag they entered with."""
+    for _, quiet in _QUIET.values():
+        _register(quiet, False)
+    _BLOCKS.update(_QUIET)
+    _QUIET.clear()
+
+
 def _register(modules: list[Any], flag: Optional[bool]) -> None:
     """Count a block in on each of ``modules``; the first block on one saves its flag (``flag``,
     or the module's own where ``None``)."""
@@ -300,24 +311,50 @@ def _register(modules: list[Any], flag: Optional[bool]) -> None:
 
 def _restore(state: InferenceState) -> None:
     """Leave the block for each module; the last block to leave one restores its flag (a quiet
-    block's modules were all in eval mode: any switched inside goes back)."""
+    block's modules were all in eval mode: one its code switched on goes back, unless another
+    block on it is still inside)."""
     _, modules, token = state
     setattr_ = _CLASSES[2]
     with _INSIDE_LOCK:
         if _QUIET.pop(id(token), None) is not None:
-            for module in modules:
-                if module.training:
-                    _put(module, False, setattr_)
-            return
-        inside = _INSIDE
-        for module in modules:
-            entry = inside[id(module)]
-            entry[0] -= 1
-            if entry[0]:
-                continue
-            del inside[id(module)]
-            if module.training != entry[1]:
-                _put(module, entry[1], setattr_)
+            if _training(modules):
+                _register_quiet()  # the others still inside: the last to leave puts it back
+                for module in modules:
+                    if module.training and id(module) not in _INSIDE:
+                        _put(module, False, setattr_)
+        elif _BLOCKS.pop(id(token), None) is not None:  # else ended in a forked child
+            _leave(modules, setattr_)
+
+
+def _leave(modules: list[Any], setattr_: Any) -> None:
+    """Count a registered block out of each of ``modules``; the last puts the flag back."""
+    inside = _INSIDE
+    for module in modules:
+        entry = inside[id(module)]
+        entry[0] -= 1
+        if entry[0]:
+            continue
+        del inside[id(module)]
+        if module.training != entry[1]:
+            _put(module, entry[1], setattr_)
+
+
+def _after_fork() -> None:
+    """In a child made by ``os.fork()``: the blocks of the parent's other threads never leave
+    there, so they end now (a flag they switched goes back where no block of this thread is on
+    it), as if they had left."""
+    me = get_ident()
+    for key, (thread, _) in list(_QUIET.items()):
+        if thread != me:
+            del _QUIET[key]
+    for key, (thread, modules) in list(_BLOCKS.items()):
+        if thread != me:
+            del _BLOCKS[key]
+            _leave(modules, _CLASSES[2])
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _put(module: Any, flag: bool, setattr_: Any) -> None:
