@@ -248,7 +248,8 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
         if not training and not _INSIDE:
             _QUIET[id(token)] = (get_ident(), modules)
         else:
-            _register_quiet()
+            if _QUIET:
+                _register_quiet()
             _register(modules, None)
             _BLOCKS[id(token)] = (get_ident(), modules)
             if training:
