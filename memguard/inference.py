@@ -271,7 +271,7 @@ def inference_mode(*models: Any, cleanup: Cleanup = "auto") -> Union[InferenceMo
     ``eval()``, and on exit (also on an exception) restores every submodule's own ``training``
     flag; then cleans up. A model whose every submodule is already in eval mode (put there once
     to serve) is not switched again: its ``train`` is not called, and on exit only a flag the
-    block's own code turned on is set back.
+    block's own code turned on is set back (by the last block on that model to leave).
 
     ``cleanup="auto"`` (the default) watches what each device's allocator
     hands out, at a cost kept to about 0.1% of the time spent in blocks: a check (microseconds)

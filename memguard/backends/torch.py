@@ -167,8 +167,8 @@ inference-mode guard entered, the modules of the block's tree (each once), and t
 token: a list whose ``id`` keys the block in :data:`_QUIET` or :data:`_BLOCKS`."""
 
 _INSIDE: dict[int, list[Any]] = {}
-"""Per module switched by an inference block inside now (by ``id``: each is kept alive by the
-blocks' states): ``[blocks inside, training flag before the first]``. Blocks on one model
+"""Per module of a registered inference block inside now (by ``id``: each is kept alive by
+the blocks' states): ``[blocks inside, training flag before the first]``. Blocks on one model
 overlap (two threads serving one model): the first to enter saves the flag, the last to leave
 puts it back, so no block runs with the flag another restored and the model ends as it was
 before the first."""
@@ -177,12 +177,12 @@ _BLOCKS: dict[int, tuple[int, list[Any]]] = {}
 made by ``os.fork()`` ends those of the threads it does not have (:func:`_after_fork`)."""
 _QUIET: dict[int, tuple[int, list[Any]]] = {}
 """The quiet blocks inside now, by ``id`` of their token: ``(thread, modules)``. A block is
-quiet when
-it enters with every module of its tree already in eval mode and no block registered in
-:data:`_INSIDE` (a model put in eval once, then served): it switches nothing and registers
-nothing per module (on a 164-module GPT-2, the registration and the flags' walk back through
-``__setattr__`` cost more than 0.5 ms a block). A block that must register turns every quiet
-block into a registered one first, with the flag they all entered with: ``False``."""
+quiet when it enters with every module of its tree already in eval mode and no block
+registered in :data:`_INSIDE` (a model put in eval once, then served): it switches nothing
+and registers nothing per module (on a 164-module GPT-2, the switch through the model's own
+``train`` and the flags' walk back through ``__setattr__`` cost more than 0.5 ms a block).
+A block that must register turns every quiet block into a registered one first, with the
+flag they all entered with: ``False``."""
 _INSIDE_LOCK = ForkSafeLock(reentrant=True)  # reentrant: a module's own eval() may enter one
 
 _CLASSES: list[Any] = []
@@ -314,17 +314,22 @@ def _restore(state: InferenceState) -> None:
     """Leave the block for each module; the last block to leave one restores its flag (a quiet
     block's modules were all in eval mode: one its code switched on goes back, unless another
     block on it is still inside)."""
-    _, modules, token = state
-    setattr_ = _CLASSES[2]
     with _INSIDE_LOCK:
-        if _QUIET.pop(id(token), None) is not None:
-            if _training(modules):
-                _register_quiet()  # the others still inside: the last to leave puts it back
-                for module in modules:
-                    if module.training and id(module) not in _INSIDE:
-                        _put(module, False, setattr_)
-        elif _BLOCKS.pop(id(token), None) is not None:  # else ended in a forked child
-            _leave(modules, setattr_)
+        _end(id(state[2]), state[1])
+
+
+def _end(key: int, modules: list[Any]) -> None:
+    """End the block keyed ``key`` (its token's ``id``) on ``modules``; nothing where it has
+    ended already (in a forked child, :func:`_after_fork`)."""
+    setattr_ = _CLASSES[2]
+    if _QUIET.pop(key, None) is not None:
+        if _training(modules):
+            _register_quiet()  # the others still inside: the last to leave puts it back
+            for module in modules:
+                if module.training and id(module) not in _INSIDE:
+                    _put(module, False, setattr_)
+    elif _BLOCKS.pop(key, None) is not None:
+        _leave(modules, setattr_)
 
 
 def _leave(modules: list[Any], setattr_: Any) -> None:
@@ -342,16 +347,13 @@ def _leave(modules: list[Any], setattr_: Any) -> None:
 
 def _after_fork() -> None:
     """In a child made by ``os.fork()``: the blocks of the parent's other threads never leave
-    there, so they end now (a flag they switched goes back where no block of this thread is on
-    it), as if they had left."""
+    there, so they end now, as if they had left (a flag goes back where no block of this
+    thread is on it)."""
     me = get_ident()
-    for key, (thread, _) in list(_QUIET.items()):
-        if thread != me:
-            del _QUIET[key]
-    for key, (thread, modules) in list(_BLOCKS.items()):
-        if thread != me:
-            del _BLOCKS[key]
-            _leave(modules, _CLASSES[2])
+    for blocks in (_QUIET, _BLOCKS):
+        for key, (thread, modules) in list(blocks.items()):
+            if thread != me:
+                _end(key, modules)
 
 
 if hasattr(os, "register_at_fork"):
@@ -422,12 +424,8 @@ def census_rows(tensors: list[Any], names: dict[int, str]
             pointer = storage.data_ptr()
             if not pointer:
                 continue
-            if tensor.is_cpu:  # a flag, where .device makes an object to look up
-                device = "cpu"
-            else:
-                device = tensor.device
-                device = known.get(device) or dtype_name(device)
-            dtype = tensor.dtype
+            device, dtype = tensor.device, tensor.dtype
+            device = known.get(device) or dtype_name(device)
             ident = id(tensor)
             add_row(make(TensorRow, ("torch", device, known.get(dtype) or dtype_name(dtype),
                                      tensor.shape, storage.nbytes(), is_view(tensor),
