@@ -321,28 +321,24 @@ def _restore(state: InferenceState) -> None:
 def _end(key: int, modules: list[Any]) -> None:
     """End the block keyed ``key`` (its token's ``id``) on ``modules``; nothing where it has
     ended already (in a forked child, :func:`_after_fork`)."""
-    setattr_ = _CLASSES[2]
+    back: list[tuple[Any, Any]] = []  # (module, flag) to put back
     if _QUIET.pop(key, None) is not None:
         if _training(modules):
             _register_quiet()  # the others still inside: the last to leave puts it back
-            for module in modules:
-                if module.training and id(module) not in _INSIDE:
-                    _put(module, False, setattr_)
+            back = [(module, False) for module in modules
+                    if module.training and id(module) not in _INSIDE]
     elif _BLOCKS.pop(key, None) is not None:
-        _leave(modules, setattr_)
-
-
-def _leave(modules: list[Any], setattr_: Any) -> None:
-    """Count a registered block out of each of ``modules``; the last puts the flag back."""
-    inside = _INSIDE
-    for module in modules:
-        entry = inside[id(module)]
-        entry[0] -= 1
-        if entry[0]:
-            continue
-        del inside[id(module)]
-        if module.training != entry[1]:
-            _put(module, entry[1], setattr_)
+        inside = _INSIDE
+        for module in modules:  # counted out; the last block on a module puts its flag back
+            entry = inside[id(module)]
+            entry[0] -= 1
+            if entry[0]:
+                continue
+            del inside[id(module)]
+            if module.training != entry[1]:
+                back.append((module, entry[1]))
+    if back:
+        _put(back)
 
 
 def _after_fork() -> None:
@@ -360,12 +356,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def _put(module: Any, flag: bool, setattr_: Any) -> None:
-    """Set ``module``'s flag: directly, or through the ``__setattr__`` its class overrides."""
-    if type(module).__setattr__ is setattr_:
-        _write(module, "training", flag)
-    else:
-        module.training = flag
+def _put(flags: list[tuple[Any, Any]]) -> None:
+    """Set each module's flag: directly, or through the ``__setattr__`` its class overrides."""
+    setattr_ = _CLASSES[2]
+    for module, flag in flags:
+        if type(module).__setattr__ is setattr_:
+            _write(module, "training", flag)
+        else:
+            module.training = flag
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
