@@ -4,6 +4,7 @@ serves the device. CUDA and XPU are read only once the process initialised them 
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import weakref
@@ -215,6 +216,7 @@ def first_non_module(objects: tuple[Any, ...]) -> Optional[int]:
 
 
 _write = object.__setattr__
+_flag = operator.attrgetter("training")
 
 
 def module_tree(models: Iterable[Any]) -> list[Any]:
@@ -244,7 +246,7 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     token: list[Any] = []
     state = (None, modules, token)
     with _INSIDE_LOCK:
-        training = _training(modules)
+        training = any(map(_flag, modules))
         if not training and not _INSIDE:
             _QUIET[id(token)] = (get_ident(), modules)
         else:
@@ -252,9 +254,20 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
                 _register_quiet()
             _register(modules, None)
             _BLOCKS[id(token)] = (get_ident(), modules)
+            # eval mode: the flags written directly where no module overrides train or
+            # __setattr__, else each model's own eval()
             if training:
                 try:
-                    _switch_off(models, modules)
+                    _, train, setattr_, _ = _CLASSES
+                    for module in modules:
+                        cls = type(module)
+                        if cls.train is not train or cls.__setattr__ is not setattr_:
+                            for model in models:
+                                model.eval()
+                            break
+                    else:
+                        for module in modules:
+                            _write(module, "training", False)
                 except BaseException:
                     _restore(state)
                     raise
@@ -266,28 +279,6 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
         _restore(state)
         raise
     return state
-
-
-def _switch_off(models: tuple[Any, ...], modules: list[Any]) -> None:
-    """Put ``models`` (whose trees are ``modules``) in eval mode: the flags written directly
-    where no module overrides ``train`` or ``__setattr__``, else each model's own ``eval()``."""
-    _, train, setattr_, _ = _CLASSES
-    for module in modules:
-        cls = type(module)
-        if cls.train is not train or cls.__setattr__ is not setattr_:
-            for model in models:
-                model.eval()
-            return
-    for module in modules:
-        _write(module, "training", False)
-
-
-def _training(modules: list[Any]) -> bool:
-    """Whether any of ``modules`` is in training mode."""
-    for module in modules:
-        if module.training:
-            return True
-    return False
 
 
 def _register_quiet() -> None:
@@ -323,7 +314,7 @@ def _end(key: int, modules: list[Any]) -> None:
     ended already (in a forked child, :func:`_after_fork`)."""
     back: list[tuple[Any, Any]] = []  # (module, flag) to put back
     if _QUIET.pop(key, None) is not None:
-        if _training(modules):
+        if any(map(_flag, modules)):
             _register_quiet()  # the others still inside: the last to leave puts it back
             back = [(module, False) for module in modules
                     if module.training and id(module) not in _INSIDE]
@@ -337,8 +328,12 @@ def _end(key: int, modules: list[Any]) -> None:
             del inside[id(module)]
             if module.training != entry[1]:
                 back.append((module, entry[1]))
-    if back:
-        _put(back)
+    setattr_ = _CLASSES[2]
+    for module, flag in back:  # directly, or through the __setattr__ a class overrides
+        if type(module).__setattr__ is setattr_:
+            _write(module, "training", flag)
+        else:
+            module.training = flag
 
 
 def _after_fork() -> None:
@@ -354,16 +349,6 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
-
-
-def _put(flags: list[tuple[Any, Any]]) -> None:
-    """Set each module's flag: directly, or through the ``__setattr__`` its class overrides."""
-    setattr_ = _CLASSES[2]
-    for module, flag in flags:
-        if type(module).__setattr__ is setattr_:
-            _write(module, "training", flag)
-        else:
-            module.training = flag
 
 
 def exit_inference(state: Optional[InferenceState]) -> None:
