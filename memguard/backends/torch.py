@@ -162,10 +162,10 @@ def is_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-InferenceState = tuple[Any, list[Any], list[Any]]
+InferenceState = tuple[Any, list[Any]]
 """What :func:`enter_inference` changed, for :func:`exit_inference` to put back: the
-inference-mode guard entered, the modules of the block's tree (each once), and the block's
-token: a list whose ``id`` keys the block in :data:`_QUIET` or :data:`_BLOCKS`."""
+inference-mode guard entered, and the block's token, a list whose ``id`` keys the block (its
+thread and the modules of its tree) in :data:`_QUIET` or :data:`_BLOCKS`."""
 
 _INSIDE: dict[int, list[Any]] = {}
 """Per module of a registered inference block inside now (by ``id``: each is kept alive by
@@ -244,7 +244,7 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     guard = (_CLASSES or _classes())[3]
     modules = module_tree(models)
     token: list[Any] = []
-    state = (None, modules, token)
+    state = (None, token)
     with _INSIDE_LOCK:
         training = any(map(_flag, modules))
         if not training and not _INSIDE:
@@ -272,7 +272,7 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
                     _restore(state)
                     raise
     context = guard(True)
-    state = (context, modules, token)
+    state = (context, token)
     try:
         context.__enter__()
     except BaseException:
@@ -306,21 +306,23 @@ def _restore(state: InferenceState) -> None:
     block's modules were all in eval mode: one its code switched on goes back, unless another
     block on it is still inside)."""
     with _INSIDE_LOCK:
-        _end(id(state[2]), state[1])
+        _end(id(state[1]))
 
 
-def _end(key: int, modules: list[Any]) -> None:
-    """End the block keyed ``key`` (its token's ``id``) on ``modules``; nothing where it has
-    ended already (in a forked child, :func:`_after_fork`)."""
+def _end(key: int) -> None:
+    """End the block keyed ``key`` (its token's ``id``); nothing where it has ended already
+    (in a forked child, :func:`_after_fork`)."""
     back: list[tuple[Any, Any]] = []  # (module, flag) to put back
-    if _QUIET.pop(key, None) is not None:
+    quiet, registered = _QUIET.pop(key, None), _BLOCKS.pop(key, None)
+    if quiet is not None:
+        modules = quiet[1]
         if any(map(_flag, modules)):
             _register_quiet()  # the others still inside: the last to leave puts it back
             back = [(module, False) for module in modules
                     if module.training and id(module) not in _INSIDE]
-    elif _BLOCKS.pop(key, None) is not None:
+    elif registered is not None:
         inside = _INSIDE
-        for module in modules:  # counted out; the last block on a module puts its flag back
+        for module in registered[1]:  # counted out; the last block on a module puts its flag back
             entry = inside[id(module)]
             entry[0] -= 1
             if entry[0]:
@@ -342,9 +344,8 @@ def _after_fork() -> None:
     thread is on it)."""
     me = get_ident()
     for blocks in (_QUIET, _BLOCKS):
-        for key, (thread, modules) in list(blocks.items()):
-            if thread != me:
-                _end(key, modules)
+        for key in [key for key, (thread, _) in blocks.items() if thread != me]:
+            _end(key)
 
 
 if hasattr(os, "register_at_fork"):
