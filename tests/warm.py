@@ -1,12 +1,14 @@
-"""Fresh interpreters that start with torch imported: a forking server per test process.
+"""Fresh interpreters that start with their frameworks imported: forking servers per test
+process.
 
 A snippet that imports torch before it names memguard pays 1-3 s in a new interpreter for
-that import alone, and 0.3-0.5 s more to tear its modules down. Here a server imports torch
-once and forks a child per snippet; the child takes the snippet's environment, working folder
-and standard streams and runs it as ``python -c`` would, in a new ``__main__``, then leaves as
-the interpreter would less the teardown. What the child shares with the server is only what a
-snippet cannot tell apart: torch imported and nothing run with it, and the variables read
-when an interpreter or torch starts (``MALLOC_*``, ``OMP_*``, ...: a server per set of them).
+that import alone, and 0.3-0.5 s more to tear its modules down; TensorFlow and Lightning take
+6-7 s each. Here a server imports the snippet's frameworks once and forks a child per snippet;
+the child takes the snippet's environment, working folder and standard streams and runs it as
+``python -c`` would, in a new ``__main__``, then leaves as the interpreter would less the
+teardown. What the child shares with the server is only what a snippet cannot tell apart
+(:func:`preloads`): its frameworks imported, in its order, and nothing run with them, and
+the variables read when an interpreter or a framework starts (a server per set of them).
 Any other snippet runs in a new interpreter.
 """
 
@@ -27,10 +29,14 @@ from typing import Any, Optional, Union
 # read once by glibc, the interpreter, OpenMP/MKL, torch or coverage as a process starts
 STARTUP = re.compile(r"^(MALLOC_|GLIBC_|LD_|PYTHON|OMP_|KMP_|MKL_|OPENBLAS_|GOTO|TORCH|PYTORCH"
                      r"|CUDA|COV|TF_)")
+# what a server may import for a snippet's first lines; past torch, each reads variables of
+# its own as it starts (a server per environment, PYTEST_CURRENT_TEST aside)
+FRAMEWORKS = ("torch", "tensorflow", "keras", "transformers", "lightning", "pytorch_lightning")
 
 SERVER = r"""
-import json, os, select, signal, socket, sys
-import torch  # the import every child would pay
+import importlib, json, os, select, signal, socket, sys
+for module in sys.argv[1:]:  # the imports every child would pay
+    importlib.import_module(module)
 
 control = socket.socket(fileno=os.dup(0))
 null = os.open(os.devnull, os.O_RDWR)
@@ -135,6 +141,39 @@ def eligible(code: str) -> bool:
     return at >= 0 and (named < 0 or at < named)
 
 
+IMPORT = re.compile(r"(?:import\s+(?P<names>[\w., ]+?)(?:\s+as\s+\w+)?|from\s+(?P<package>[\w.]+)"
+                    r"\s+import\s+.+)\s*(?:#.*)?")
+
+
+def preloads(code: str) -> tuple[str, ...]:
+    r"""The frameworks a server imports before it forks ``code``, in ``code``'s order: those of
+    its first lines while they are only imports and name no memguard (nothing else has run
+    when a snippet imports them, so none can tell); else torch where :func:`eligible`; else
+    none.
+
+    >>> preloads("import json\nimport tensorflow as tf\nimport memguard\nimport torch")
+    ('tensorflow',)
+    >>> preloads("import os\nos.environ['TF_X'] = '1'\nimport tensorflow")
+    ()
+    """
+    found: list[str] = []
+    for line in code.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = IMPORT.fullmatch(line)
+        if match is None or "memguard" in line:
+            break
+        names = match["names"].split(",") if match["names"] else [match["package"]]
+        for name in names:
+            top = name.split(" as ")[0].strip().split(".")[0]
+            if top in FRAMEWORKS and top not in found:
+                found.append(top)
+    if found:
+        return tuple(found)
+    return ("torch",) if eligible(code) else ()
+
+
 class Process:
     """A child of a :class:`Server`, with the parts of :class:`subprocess.Popen` the tests
     use (text streams)."""
@@ -185,9 +224,9 @@ class Process:
 class Server:
     """One forking server, started with ``env``; it runs any number of children at once."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], modules: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=theirs,
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, *modules], stdin=theirs,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=env)
         theirs.close()
@@ -269,15 +308,19 @@ _owner = os.getpid()  # a process forked from a test process starts its own inte
 def popen(code: str, env: dict[str, str], stdout: bool = True, stderr: bool = True,
           cwd: Optional[str] = None) -> Union[Process, subprocess.Popen]:
     """``code`` started as ``python -c`` with ``env`` in ``cwd`` would be (text streams: pipes
-    where asked, else /dev/null), forked from a server when :func:`eligible`."""
-    if eligible(code) and os.getpid() == _owner:
-        key = tuple(sorted((k, v) for k, v in env.items() if STARTUP.match(k)))
+    where asked, else /dev/null), forked from a server where it has :func:`preloads`."""
+    modules = preloads(code)
+    if modules and os.getpid() == _owner:
+        read = STARTUP.match if modules == ("torch",) else (
+            lambda name: name != "PYTEST_CURRENT_TEST")
+        key = (modules, *sorted((k, v) for k, v in env.items() if read(k)))
         with _guard:
-            server = _servers.get(key)
+            server = _servers.pop(key, None)  # put back last: the least used goes first
             if server is None or server.proc.poll() is not None:
-                if len(_servers) >= 4:  # the oldest goes
+                if len(_servers) >= 6:
                     _servers.pop(next(iter(_servers))).close()
-                server = _servers[key] = Server(env)
+                server = Server(env, modules)
+            _servers[key] = server
         return server.start(code, env, stdout, stderr, cwd)
     pipe = subprocess.PIPE
     return subprocess.Popen([sys.executable, "-c", code], text=True, env=env, cwd=cwd,
