@@ -49,6 +49,11 @@ on_full_collection: list[Callable[[], None]] = []
 one may be far above what is in use after it."""
 
 
+MAX_GAP = 0.05
+"""Seconds of guarded blocks after which a paced check (``inference_mode``'s, ``frees_memory``'s)
+is due however long the previous one took (a reading of a slow heap, before the resident set
+stands in for it)."""
+
 _full_collections = [0]  # made through collect_all that found no garbage, so far
 
 #: Seconds a collection memguard needs waits at most for another thread's to end (CPython

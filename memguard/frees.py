@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextvars import ContextVar
+from time import perf_counter
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._checks import flag, positive_int
@@ -16,12 +17,14 @@ from ._units import Size, parse_optional_size
 from .backends import UNKNOWN, host, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import (
+    MAX_GAP,
     Cleanup,
     Pairs,
     Readings,
     cleanup_mode,
     collect_until_clean,
     interrupts_after,
+    on_full_collection,
     read_all,
     settler_for,
 )
@@ -38,6 +41,25 @@ from .scope import (
 
 log = logging.getLogger("memguard")
 F = TypeVar("F", bound=Callable[..., Any])
+
+CHECK_SHARE = 0.004
+"""The most of a process's time that ``cleanup="auto"``'s readings for one ``@frees_memory``
+function may take where no verdict rests on them (no ``max_leak``, no ``track_tensors``):
+memory is read around a call once ``1 / CHECK_SHARE`` times as long as the previous reading
+took has passed since it (each reading times itself; never more than ``MAX_GAP`` seconds
+apart). Time, not calls: memory a call leaves was allocated by it or before it, and
+allocating takes time (filling 40 MiB, milliseconds; a reading, microseconds). So a call that
+long, or after that long, is read at both ends; of a run of shorter calls, every few. Next to
+a step of 0.5 ms, reading memory at both ends of every call took 3-4% of it."""
+
+_collections = [0]  # full collections memguard has run: a level read before one is stale
+
+
+def _collected() -> None:
+    _collections[0] += 1
+
+
+on_full_collection.append(_collected)
 
 
 def _lower(a: Readings, b: Readings) -> Readings:
@@ -70,6 +92,11 @@ class _FreesMemory:
         self.warmup = warmup
         self.track_tensors = track_tensors
         self.settler = settler_for(cleanup, adaptive=True)
+        # "auto" with no verdict reads on a share of the calls' time (CHECK_SHARE)
+        self.paced = cleanup == "auto" and max_leak is None and not track_tensors
+        self.last = 0.0  # perf_counter() after the last reading
+        self.due = 0.0  # seconds after it at which the next is due: 0, at once
+        self.read_at = -1  # _collections[0] at the last reading
         # reentrant: a finaliser that the cleanup's collection runs may call the function
         self.lock = ForkSafeLock(reentrant=True)
         self.calls = 0
@@ -90,24 +117,26 @@ class _Call:
     def __init__(self, shared: _FreesMemory) -> None:
         self.shared = shared
         self.depth = 0
-        self.pairs: Pairs = []
-        self.entry: Readings = {}
-        self.tensors: dict[int, Any] = {}
-        self.census = False  # tensors recorded on entry
-        self.kind = "in use"  # the readings' kind: the resident set where mallinfo2 is slow
+        # None: not read on entry (a paced call not due then); the rest is set where read
+        self.entry: Optional[Readings] = None
 
     def __enter__(self) -> None:
-        counter = self.shared.depth
+        shared = self.shared
+        counter = shared.depth
         if counter is not None:
             self.depth = counter.get()
             counter.set(self.depth + 1)
         if self.depth == 0:
-            self.pairs = resolve_devices(None)
-            self.census = self.shared.track_tensors or census_needed(self.shared.max_leak)
-            if self.census:
-                self.tensors = tensor_ids()
-            if self.shared.max_leak is None and not self.shared.track_tensors:
-                self.kind = host.quick_kind()  # no verdict rests on it: the cheap reading
+            if shared.paced and perf_counter() - shared.last < shared.due \
+                    and shared.read_at == _collections[0]:
+                return  # not due on entry: the exit compares with the baseline
+            self.pairs: Pairs = resolve_devices(None)
+            self.census = shared.track_tensors or census_needed(shared.max_leak)
+            self.tensors: dict[int, Any] = tensor_ids() if self.census else {}
+            # the readings' kind: where no verdict rests on them, the cheap one (the resident
+            # set where mallinfo2 is slow)
+            self.kind = "in use" if shared.max_leak is not None or shared.track_tensors \
+                else host.quick_kind()
             self.entry = read_all(self.pairs, self.kind)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -116,26 +145,47 @@ class _Call:
             shared.depth.set(self.depth)
         if self.depth > 0:
             return
+        if self.entry is None and shared.every == 1 \
+                and perf_counter() - shared.last < shared.due:
+            return  # paced, and not due (with every=1 no count matters: no verdict)
         with shared.lock:
             shared.calls += 1
             judged = shared.calls > shared.warmup
             if shared.calls % shared.every:
                 return
+            start = 0.0
+            if shared.paced:
+                start = perf_counter()
+                if self.entry is None:
+                    if start - shared.last < shared.due:
+                        return
+                    # read at the exit alone: of the kind a check reads now
+                    self.pairs, self.kind = resolve_devices(None), host.quick_kind()
             try:
                 baseline = shared.baseline if shared.baseline_kind == self.kind else {}
                 collected = False  # in full, finding no garbage, just before ``after``
-                if shared.settler is None:  # cleanup="never": measure only
-                    after = read_all(self.pairs, self.kind)
-                else:
-                    outcome = shared.settler.settle(self.pairs, _lower(self.entry, baseline),
-                                                    self.kind)
+                level = after = read_all(self.pairs, self.kind) if shared.settler is None \
+                    else {}  # cleanup="never": measure only
+                if shared.settler is not None:
+                    reference = baseline if self.entry is None else _lower(self.entry,
+                                                                           baseline)
+                    outcome = shared.settler.settle(self.pairs, reference, self.kind)
                     after, collected = outcome.after, outcome.full
+                    # Where it did nothing (every device within its tolerance of the
+                    # reference) the level stays the lower of the two: calls that each leave
+                    # less than the tolerance in cycles must not raise it, or their sum is
+                    # never collected. After a cleanup, what it could not free is in use.
+                    level = _lower(after, reference) if outcome.idle else after
+                    if shared.paced:  # a cleanup that acted: read the next call at once
+                        shared.last, shared.read_at = perf_counter(), _collections[0]
+                        shared.due = min((shared.last - start) / CHECK_SHARE, MAX_GAP) \
+                            if outcome.idle else 0.0
             except Exception:
                 if exc_type is None:
                     raise
                 log.exception("cleanup after %s failed while it raised", shared.what)
                 return
-            shared.baseline, shared.baseline_kind = after, self.kind
+            shared.baseline, shared.baseline_kind = level, self.kind
         if not judged or (shared.max_leak is None and not shared.track_tensors):
             return
         limit = shared.max_leak
@@ -177,7 +227,8 @@ class _Call:
         self.tensors = {}
         if over and limit is not None:
             message = leak_message(shared.what, over, limit, {
-                d: growth(self.entry.get(d, UNKNOWN).reserved, after.get(d, UNKNOWN).reserved)
+                d: growth((self.entry or {}).get(d, UNKNOWN).reserved,
+                          after.get(d, UNKNOWN).reserved)
                 for d in over})
             if leaks:
                 message += "; " + leak_line(leaks, over)
@@ -191,7 +242,7 @@ class _Call:
         if limit is None:
             return over
         for backend, device in self.pairs:
-            kept = growth(in_use(backend, self.entry.get(device)),
+            kept = growth(in_use(backend, (self.entry or {}).get(device)),
                           in_use(backend, after.get(device)))
             if kept is not None and kept > limit:
                 over[device] = kept
@@ -215,10 +266,15 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     classmethods, staticmethods, ``async def`` functions (cleanup after the await) and
     generator functions (cleanup when the generator finishes or is closed). Cleanup runs
     whether the call returned or raised. ``cleanup="auto"`` reads memory first (microseconds)
-    and collects garbage or empties caches only when the call left memory above its entry
-    level, backing off from work that keeps proving useless; ``"always"`` collects and empties
+    and collects garbage or empties caches only when memory is above the level the previous
+    cleanup left (or the call's entry, where read), backing off from work that keeps proving
+    useless; without ``max_leak`` or ``track_tensors`` it reads on a share of the time
+    (``memguard.frees.CHECK_SHARE``, 0.4%): a call that runs, or comes, long after the
+    previous reading is read at both ends, and of back-to-back short calls every few, so what
+    they leave in cycles is freed within milliseconds. ``"always"`` collects and empties
     every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
-    alone). ``max_leak`` raises
+    alone).
+    ``max_leak`` raises
     :class:`MemoryLeakError` when a device kept more over the call's own run (with
     ``every > 1``, checked on the calls that clean up), on what the allocators hand out
     (``allocated``; glibc's in-use bytes on the host), never on the resident set; before

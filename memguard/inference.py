@@ -14,6 +14,7 @@ from ._decorate import guard
 from .backends import is_keras_model, resolve_devices
 from .backends.torch import InferenceState, enter_inference, exit_inference, first_non_module
 from .cleanup import (
+    MAX_GAP,
     Backoff,
     Cleanup,
     Pairs,
@@ -60,9 +61,6 @@ CHECK_SHARE = 0.001
 blocks since the previous check have run ``1 / CHECK_SHARE`` times as long as that check
 took (each check times itself). A block that long is checked at its exit; a run of shorter
 ones every few blocks."""
-MAX_GAP = 0.05
-"""Seconds of blocks after which a check is due however long the previous one took (a
-reading of a slow heap, before the resident set stands in for it)."""
 
 
 def _levels(pairs: Pairs, like: Optional[Mapping[str, Optional[Level]]] = None) -> Levels:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import time
 
 import pytest
 import torch
 from test_scope import FullCollections, cyclic
 
 import memguard
+from memguard import frees
 from memguard.backends import host
+from memguard.cleanup import MAX_GAP, Settler
 
 MiB = 1 << 20
 
@@ -284,6 +287,102 @@ def test_inputs_allocated_before_the_call_and_caught_in_its_cycle_are_freed():
     for _ in range(10):
         step(torch.ones(40 * MiB // 4))
     assert host.malloc_in_use() - start < 90 * MiB  # bare: 400 MB
+
+
+class Settles:
+    """Counts the cleanups memguard's settlers run (each begins by reading memory)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = Settler.settle
+
+        def counted(settler, *args, **kwargs):
+            self.count += 1
+            return original(settler, *args, **kwargs)
+
+        monkeypatch.setattr(Settler, "settle", counted)
+
+
+def light_function():
+    @memguard.frees_memory
+    def light():
+        return 1
+
+    return light
+
+
+def test_auto_reads_back_to_back_short_calls_on_a_share_of_the_time(monkeypatch):
+    light = light_function()
+    settles = Settles(monkeypatch)
+    for _ in range(3000):
+        light()
+    # each reading is due CHECK_SHARE^-1 times its own time after it: a few of 3,000 calls
+    assert 1 <= settles.count <= 300, settles.count
+    before = settles.count
+    time.sleep(MAX_GAP)  # however slow the last reading, one is due after MAX_GAP seconds
+    light()
+    assert settles.count == before + 1
+
+
+def test_a_full_collection_makes_the_next_call_read_on_entry(monkeypatch):
+    monkeypatch.setattr(frees, "CHECK_SHARE", 1e-9)
+    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)  # the next reading due in an hour
+    light = light_function()
+    settles = Settles(monkeypatch)
+    for _ in range(5):
+        light()
+    assert settles.count == 1  # the first call
+    memguard.free_memory()  # a level read before it may be far above what is in use
+    light()
+    light()
+    assert settles.count == 2
+
+
+def test_a_verdict_reads_every_call(monkeypatch):
+    @memguard.frees_memory(max_leak="1GiB")
+    def judged():
+        return 1
+
+    settles = Settles(monkeypatch)
+    for _ in range(50):
+        judged()
+    assert settles.count == 50
+
+
+def test_short_calls_that_each_leave_a_cycle_are_freed_every_few_calls():
+    """Back-to-back short calls are read every few: what they leave in cycles is freed at
+    the next reading, a few milliseconds later, long before it piles up."""
+
+    @memguard.frees_memory
+    def step():
+        record = {"inputs": torch.ones(MiB // 4)}  # 1 MiB in a cycle: ~0.1 ms a call
+        record["self"] = record
+
+    step()
+    start = host.malloc_in_use()
+    worst = 0
+    for _ in range(400):
+        step()
+        worst = max(worst, host.malloc_in_use() - start)
+    assert worst < 150 * MiB  # bare: 400 MiB
+
+
+@pytest.mark.parametrize("options", [{}, {"max_leak": "1GiB"}], ids=["paced", "every call"])
+def test_cycles_of_less_than_the_tolerance_a_call_do_not_pile_up(monkeypatch, options):
+    """Each call leaves 1 MiB in a cycle, under the 4 MiB a single call may leave: the level
+    the checks compare with must not creep up with it, or nothing is ever collected."""
+    monkeypatch.setattr(frees, "MAX_GAP", 0.0)  # every call read, however short
+
+    @memguard.frees_memory(**options)
+    def step():
+        record = {"inputs": torch.ones(MiB // 4)}
+        record["self"] = record
+
+    step()
+    start = host.malloc_in_use()
+    for _ in range(60):
+        step()
+    assert host.malloc_in_use() - start < 20 * MiB  # bare: 60 MiB
 
 
 def test_on_a_fragmented_heap_the_auto_check_reads_the_resident_set_and_verdicts_stay_exact(
