@@ -229,7 +229,7 @@ def collect_all() -> None:
 
 def collect_held(read: Callable[[], R], held: Callable[[R], bool],
                  freed: Callable[[R, R], bool], backoff: Optional["Backoff"],
-                 gauge: Optional[Callable[[], R]] = None) -> R:
+                 gauge: Optional[Callable[[], R]] = None, full: bool = True) -> R:
     """The ``"auto"`` cleanup's collection, for every guard that has one: the young
     generations, then in full where ``held(readings)`` says memory is still held; the
     readings afterwards. ``backoff`` (where given) learns whether it was useful: useless
@@ -239,11 +239,12 @@ def collect_held(read: Callable[[], R], held: Callable[[R], bool],
     ``gauge`` takes the readings that ``freed`` compares where ``read``'s cannot tell: the
     resident set, which a slow heap makes the guards read, does not drop when a collection
     hands blocks back to malloc, so judged on it every collection would look useless and be
-    skipped while cycles pile up. Without it ``read``'s readings serve."""
+    skipped while cycles pile up. Without it ``read``'s readings serve. ``full=False``: the
+    young generations only."""
     start = (gauge or read)()
     gc.collect(1)
     now = read()
-    if held(now):
+    if full and held(now):
         collect_all()
         now = read()
     if backoff is not None:
@@ -462,9 +463,15 @@ class Settler:
         self._cache = Backoff()
         self._cache_last = False
 
-    def settle(self, pairs: Pairs, entry: Readings, kind: str = "in use") -> Outcome:
+    def settle(self, pairs: Pairs, entry: Readings, kind: str = "in use",
+               recent: Optional[Readings] = None) -> Outcome:
         """Clean up after a block that began with ``entry`` readings (of ``kind``, see
-        :func:`read_all`)."""
+        :func:`read_all`); ``recent``: a later reading than ``entry`` where there is one
+        (``frees_memory``'s last, where its reference is a lower level kept from before):
+        memory held over ``entry`` but within the tolerance of ``recent`` crept up a little
+        at a time, and is collected for in the young generations only (where a cycle a
+        recent call made is; memory merely in use would cost full collections that free
+        nothing)."""
         now = read_all(pairs, kind)
         if self.cleanup == "always":
             fulls = full_collections()
@@ -480,14 +487,16 @@ class Settler:
             self._cache_last = False
             return Outcome(0, False, now, idle=True)
         with interrupts_after():  # only where it acts: holding Ctrl-C costs ~10 us
-            return self._act(pairs, entry, kind, now, held if collect else [])
+            full = recent is None or bool(_beyond(pairs, now, recent)[0])
+            return self._act(pairs, entry, kind, now, held if collect else [], full)
 
     def _act(self, pairs: Pairs, entry: Readings, kind: str, now: Readings,
-             held: list[str]) -> Outcome:
-        """The ``"auto"`` cleanup once a collection is due (``held``) or a cache swollen."""
+             held: list[str], full: bool = True) -> Outcome:
+        """The ``"auto"`` cleanup once a collection is due (``held``; in full only where
+        ``full``) or a cache swollen."""
         start, collected, fulls = now, False, full_collections()
         if held:
-            now = self._collect(pairs, held, entry, kind)
+            now = self._collect(pairs, held, entry, kind, full)
             collected = True
             if kind == "resident":  # blocks freed to malloc show in the resident set once
                 # trimmed; untrimmed, the next call reuses them, seems to keep nothing, and
@@ -499,7 +508,8 @@ class Settler:
             empty_caches(swollen)
             now = read_all(pairs, kind)
             if not collected and self._swollen(pairs, now, entry) and self._gc_ready():
-                now = self._collect(pairs, [d for b, d in pairs if b in swollen], entry, kind)
+                now = self._collect(pairs, [d for b, d in pairs if b in swollen], entry, kind,
+                                    full)
                 empty_caches(swollen)
                 now = read_all(pairs, kind)
                 collected = True
@@ -532,7 +542,8 @@ class Settler:
         self._cache_last = True
         return True
 
-    def _collect(self, pairs: Pairs, held: list[str], entry: Readings, kind: str) -> Readings:
+    def _collect(self, pairs: Pairs, held: list[str], entry: Readings, kind: str,
+                 full: bool = True) -> Readings:
         def still(now: Readings) -> list[str]:
             return [d for d in self._held(pairs, now, entry) if d in held]
 
@@ -542,7 +553,7 @@ class Settler:
 
         gauge = (lambda: read_all(pairs)) if kind != "in use" else None
         now = collect_held(lambda: read_all(pairs, kind), lambda now: bool(still(now)), freed,
-                           self._gc if self.adaptive else None, gauge)
+                           self._gc if self.adaptive else None, gauge, full)
         still_held = still(now)
         log.debug("collected garbage; still held on %s", still_held or "no device")
         return now

@@ -14,7 +14,7 @@ from ._checks import flag, positive_int
 from ._decorate import function_kind, guard, name_of
 from ._locks import ForkSafeLock
 from ._units import Size, parse_optional_size
-from .backends import UNKNOWN, host, resolve_devices
+from .backends import UNKNOWN, Reading, host, resolve_devices
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import (
     MAX_GAP,
@@ -49,8 +49,17 @@ memory is read around a call once ``1 / CHECK_SHARE`` times as long as the previ
 took has passed since it (each reading times itself; never more than ``MAX_GAP`` seconds
 apart). Time, not calls: memory a call leaves was allocated by it or before it, and
 allocating takes time (filling 40 MiB, milliseconds; a reading, microseconds). So a call that
-long, or after that long, is read at both ends; of a run of shorter calls, every few. Next to
-a step of 0.5 ms, reading memory at both ends of every call took 3-4% of it."""
+comes that long after a reading is read at both ends, one that ends that long after it at its
+exit; of a run of short calls, every few. Next to a step of 0.5 ms, reading memory at both
+ends of every call took 3.5-6% of it in the reads alone."""
+
+CALL_SHARE = 0.03
+"""Of ``frees_memory``'s paced readings (``CHECK_SHARE``): a call whose own run took
+``1 / CALL_SHARE`` times a reading or longer is read at its exit whenever it ends. Such a
+call had the time to allocate more than the host's 4 MiB tolerance (0.6-1 ms here, filling
+memory at several GB/s), so what it leaves in cycles never waits for a later call; a shorter
+call can leave about the tolerance, which a cleanup that read every call did not collect
+either."""
 
 _collections = [0]  # full collections memguard has run: a level read before one is stale
 
@@ -68,6 +77,36 @@ def _lower(a: Readings, b: Readings) -> Readings:
     for device, reading in a.items():  # a loop, not a comprehension: one call less a step
         other = b.get(device)
         out[device] = reading if other is None else reading.lower(other)
+    return out
+
+
+def _held_lower(after: Readings, reference: Readings) -> Readings:
+    """``after`` with each device's ``allocated`` the lower of it and ``reference``'s: the
+    level a cleanup that did nothing leaves (the cache, ``reserved``, as read: one that
+    grew by use is left to the next call)."""
+    out = {}
+    for device, reading in after.items():
+        other = reference.get(device)
+        if other is not None and other.allocated is not None and (
+                reading.allocated is None or other.allocated < reading.allocated):
+            reading = Reading(other.allocated, reading.reserved)
+        out[device] = reading
+    return out
+
+
+def _per_call(pairs: Pairs, recent: Readings, unread: int) -> Readings:
+    """``recent`` with each device's ``allocated`` raised by its tolerance for each of the
+    ``unread`` calls since: memory held over it is more than a call at a time left, read at
+    every call (the growth a full collection is run for; less is looked for in the young
+    generations only)."""
+    if not unread:
+        return recent
+    out = dict(recent)
+    for backend, device in pairs:
+        reading = recent.get(device)
+        if reading is not None and reading.allocated is not None:
+            out[device] = Reading(reading.allocated + unread * backend.hold_tolerance,
+                                  reading.reserved)
     return out
 
 
@@ -96,7 +135,11 @@ class _FreesMemory:
         self.paced = cleanup == "auto" and max_leak is None and not track_tensors
         self.last = 0.0  # perf_counter() after the last reading
         self.due = 0.0  # seconds after it at which the next is due: 0, at once
+        self.long = 0.0  # seconds from which a call's own run is read at its exit
+        self.cost = 0.0  # what a reading that did nothing took (a preempted one counts less)
         self.read_at = -1  # _collections[0] at the last reading
+        self.recent: Readings = {}  # the last reading, where baseline was kept lower
+        self.unread = 0  # calls that ended unread since it
         # reentrant: a finaliser that the cleanup's collection runs may call the function
         self.lock = ForkSafeLock(reentrant=True)
         self.calls = 0
@@ -112,7 +155,7 @@ class _FreesMemory:
 class _Call:
     """One call of a ``@frees_memory`` function: its depth and its own entry readings."""
 
-    __slots__ = ("shared", "depth", "pairs", "entry", "tensors", "census", "kind")
+    __slots__ = ("shared", "depth", "pairs", "entry", "tensors", "census", "kind", "start")
 
     def __init__(self, shared: _FreesMemory) -> None:
         self.shared = shared
@@ -127,9 +170,10 @@ class _Call:
             self.depth = counter.get()
             counter.set(self.depth + 1)
         if self.depth == 0:
-            if shared.paced and perf_counter() - shared.last < shared.due \
-                    and shared.read_at == _collections[0]:
-                return  # not due on entry: the exit compares with the baseline
+            if shared.paced:
+                self.start = now = perf_counter()
+                if now - shared.last < shared.due and shared.read_at == _collections[0]:
+                    return  # not due on entry: the exit compares with the baseline
             self.pairs: Pairs = resolve_devices(None)
             self.census = shared.track_tensors or census_needed(shared.max_leak)
             self.tensors: dict[int, Any] = tensor_ids() if self.census else {}
@@ -145,9 +189,11 @@ class _Call:
             shared.depth.set(self.depth)
         if self.depth > 0:
             return
-        if self.entry is None and shared.every == 1 \
-                and perf_counter() - shared.last < shared.due:
-            return  # paced, and not due (with every=1 no count matters: no verdict)
+        if self.entry is None and shared.every == 1:
+            now = perf_counter()
+            if now - shared.last < shared.due and now - self.start < shared.long:
+                shared.unread += 1
+                return  # paced, and not due (with every=1 no count matters: no verdict)
         with shared.lock:
             shared.calls += 1
             judged = shared.calls > shared.warmup
@@ -157,7 +203,8 @@ class _Call:
             if shared.paced:
                 start = perf_counter()
                 if self.entry is None:
-                    if start - shared.last < shared.due:
+                    if start - shared.last < shared.due and start - self.start < shared.long:
+                        shared.unread += 1
                         return
                     # read at the exit alone: of the kind a check reads now
                     self.pairs, self.kind = resolve_devices(None), host.quick_kind()
@@ -169,17 +216,29 @@ class _Call:
                 if shared.settler is not None:
                     reference = baseline if self.entry is None else _lower(self.entry,
                                                                            baseline)
-                    outcome = shared.settler.settle(self.pairs, reference, self.kind)
+                    recent = _per_call(self.pairs, shared.recent, shared.unread) \
+                        if shared.baseline_kind == self.kind else {}
+                    shared.unread = 0
+                    outcome = shared.settler.settle(self.pairs, reference, self.kind,
+                                                    recent or None)
                     after, collected = outcome.after, outcome.full
                     # Where it did nothing (every device within its tolerance of the
                     # reference) the level stays the lower of the two: calls that each leave
                     # less than the tolerance in cycles must not raise it, or their sum is
                     # never collected. After a cleanup, what it could not free is in use.
-                    level = _lower(after, reference) if outcome.idle else after
+                    level = _held_lower(after, reference) if outcome.idle else after
+                    shared.recent = after
                     if shared.paced:  # a cleanup that acted: read the next call at once
                         shared.last, shared.read_at = perf_counter(), _collections[0]
-                        shared.due = min((shared.last - start) / CHECK_SHARE, MAX_GAP) \
-                            if outcome.idle else 0.0
+                        if outcome.idle:
+                            took = shared.last - start
+                            # a reading preempted midway takes ms: it may double the cost
+                            shared.cost = took if not shared.cost else min(took,
+                                                                          2 * shared.cost)
+                            shared.due = min(shared.cost / CHECK_SHARE, MAX_GAP)
+                            shared.long = min(shared.cost / CALL_SHARE, MAX_GAP)
+                        else:
+                            shared.due = shared.long = 0.0
             except Exception:
                 if exc_type is None:
                     raise
@@ -269,9 +328,10 @@ def frees_memory(func: Optional[F] = None, /, *, every: int = 1, cleanup: Cleanu
     and collects garbage or empties caches only when memory is above the level the previous
     cleanup left (or the call's entry, where read), backing off from work that keeps proving
     useless; without ``max_leak`` or ``track_tensors`` it reads on a share of the time
-    (``memguard.frees.CHECK_SHARE``, 0.4%): a call that runs, or comes, long after the
-    previous reading is read at both ends, and of back-to-back short calls every few, so what
-    they leave in cycles is freed within milliseconds. ``"always"`` collects and empties
+    (``memguard.frees.CHECK_SHARE``, 0.4%): a call that comes long after the previous
+    reading is read at both ends, one that runs long enough to allocate more than the
+    tolerance at its exit, and of back-to-back short calls every few, so what they leave in
+    cycles waits for the next reading, milliseconds later. ``"always"`` collects and empties
     every cache every time; ``"never"`` only measures (for ``max_leak`` or ``track_tensors``
     alone).
     ``max_leak`` raises

@@ -959,7 +959,9 @@ net = Table()
 ref = Table()
 memguard.free_memory()
 set_budget(240)  # a copy of the 256 MiB buffer would not fit; memguard's steps split at
-# 140-160 MiB in a quiet run, and once at 200 MiB under coverage in a loaded CI run
+# 140-160 MiB in a quiet run, and once at 200 MiB under coverage in a loaded CI run, after the
+# plain steps here left ~33 MiB of address space mapped (alone in a process, memguard's steps
+# and plain torch's both fit 100 MiB and both run out of memory at 80 MiB)
 for batch in batches:  # plain torch fits the budget: about 50 MiB a step
     loss(ref, batch).backward()
 memguard.free_memory()

@@ -385,6 +385,44 @@ def test_cycles_of_less_than_the_tolerance_a_call_do_not_pile_up(monkeypatch, op
     assert host.malloc_in_use() - start < 20 * MiB  # bare: 60 MiB
 
 
+def test_what_the_last_of_a_burst_of_short_calls_leaves_is_freed_at_its_exit(monkeypatch):
+    """The calls before it were too short to be read; this one ran long enough to allocate
+    more than the tolerance, so it is read at its own exit: no later call is needed."""
+    monkeypatch.setattr(frees, "CHECK_SHARE", 1e-9)
+    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)  # no reading due by time: only by its run
+
+    @memguard.frees_memory
+    def step(mib):
+        if mib:
+            record = {"inputs": torch.ones(mib * MiB // 4)}
+            record["self"] = record
+
+    for _ in range(3):
+        step(0)
+    start = host.malloc_in_use()
+    for _ in range(20):
+        step(0)
+    step(16)
+    assert host.malloc_in_use() - start < 8 * MiB
+
+
+def test_memory_kept_a_little_at_a_time_costs_no_full_collections():
+    """Each call's result is kept (no garbage): growth of less than the tolerance a call,
+    over several unread calls, is looked for in the young generations only."""
+    kept = []
+
+    @memguard.frees_memory
+    def step():
+        return torch.ones(MiB // 8)  # 512 KiB a call, kept by the caller
+
+    step()
+    with FullCollections() as seen:
+        for _ in range(300):
+            kept.append(step())
+    assert seen.count == 0
+    kept.clear()
+
+
 def test_on_a_fragmented_heap_the_auto_check_reads_the_resident_set_and_verdicts_stay_exact(
         python_in_subprocess):
     # mallinfo2 walks every free block (milliseconds on 10,000 of them): without max_leak the
