@@ -272,15 +272,16 @@ def forward_memguard():
 
 
 SMALL_STEP = """
+import statistics, time
 import torch
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+x, y = torch.randn(4096, 128), torch.randint(0, 10, (4096,))
 wide = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                            torch.nn.ReLU(), torch.nn.Linear(256, 10))
-inputs = torch.randn(64, 256)
+pool = torch.randn(4096, 256)
 
 def train(batch_size=64):
     loss = torch.nn.functional.cross_entropy(model(x[:batch_size]), y[:batch_size])
@@ -288,8 +289,25 @@ def train(batch_size=64):
     opt.step()
     opt.zero_grad()
 
+def rows_for(call, seconds=5e-4):  # the rows that make call(rows) take about `seconds`
+    rows = 64
+    for _ in range(3):
+        for _ in range(20):
+            call(rows)
+        times = []
+        for _ in range(9):
+            start = time.perf_counter()
+            for _ in range(10):
+                call(rows)
+            times.append((time.perf_counter() - start) / 10)
+        rows = min(4096, max(8, round(rows * seconds / statistics.median(times))))
+    return rows
+
+BATCH = rows_for(train)
+inputs = pool[:rows_for(lambda rows: wide(pool[:rows]))].clone()
+
 def step():
-    train(64)
+    train(BATCH)
 
 def forward_no_grad():
     with torch.no_grad():
@@ -300,21 +318,21 @@ import memguard
 decorated = memguard.memory_scope(train)
 
 def scope_decorator():
-    decorated(64)
+    decorated(BATCH)
 
 def scope_block():
     with memguard.memory_scope():
-        train(64)
+        train(BATCH)
 
 freed = memguard.frees_memory(train)
 
 def frees():
-    freed(64)
+    freed(BATCH)
 
 retried = memguard.oom_retry(train)
 
 def retry():
-    retried(64)
+    retried(BATCH)
 
 def forward_memguard():
     with memguard.inference_mode(wide):
@@ -335,21 +353,22 @@ def reads_alone():  # what a scope must read, as bare system calls: its floor
     resource.getrusage(resource.RUSAGE_SELF)
     os.pread(_statm, 128, 0)  # the entry reading, which also checks the reset's getrusage
     _mallinfo2()
-    train(64)
+    train(BATCH)
     resource.getrusage(resource.RUSAGE_SELF)
     os.pread(_statm, 128, 0)
     _mallinfo2()
 
-def frees_reads_alone():  # what frees_memory's policy reads, as bare calls: its floor
+def frees_reads_alone():  # reading both ends of every call, as bare calls
     os.pread(_statm, 128, 0)
     _mallinfo2()
-    train(64)
+    train(BATCH)
     os.pread(_statm, 128, 0)
     _mallinfo2()
 """
-"""Benchmark 1f's steps: a training step of a tiny MLP (about 0.5 ms on one CPU thread) bare
-and under each guard, and a forward pass of a wider one (about 0.5 ms) under
-``torch.no_grad()`` and under ``inference_mode``."""
+"""Benchmark 1f's steps: a training step of a tiny MLP bare and under each guard, and a
+forward pass of a wider one under ``torch.no_grad()`` and under ``inference_mode``, each on
+as many rows as make it take 0.5 ms on one CPU thread of the machine it runs on
+(``rows_for``: the machines here took 0.26-0.4 ms on the fixed 64 rows of before)."""
 
 SCOPE_LEFT = ("left: the reads a scope cannot do without (row 'its reads alone') and its "
               "Python around them")
@@ -359,9 +378,8 @@ SMALL_ROWS = (
     ("1f memory_scope() with-block, 0.5 ms step", "scope_block", "step", "bare step",
      SCOPE_LEFT),
     ("1f frees_memory (auto), 0.5 ms step", "frees", "step", "bare step",
-     ("left: the readings its policy decides on, the resident set and mallinfo2 at entry and "
-     "exit; mallinfo2 walks the heap's free chunks, 25-45 us next to a step there (~1 us "
-     "alone)")),
+     ("left: a call's own work (its recursion guard, the time since the last reading) and "
+      "its readings, due every few calls (CHECK_SHARE)")),
     ("1f oom_retry (nothing fails), 0.5 ms step", "retry", "step", "bare step",
      ("left: a call's own work (its size found, the attempt marked in the context, the size "
       "kept: 15-20 us next to a step there, with no loop made)")),
@@ -374,12 +392,13 @@ SMALL_ROWS = (
 
 def small_steps(quick: bool) -> list[Result]:
     """Benchmark 1f: what each guard costs a small step, where its fixed cost per call
-    weighs most: a training step of about 0.5 ms on one CPU thread, bare and under
-    ``memory_scope()`` (as a decorator and as a ``with`` block), ``frees_memory`` (cleanup
-    ``"auto"``) and ``oom_retry`` (nothing runs out of memory); a forward of about 0.5 ms
-    under ``inference_mode`` against ``torch.no_grad()``; and the reads a scope, and those
-    ``frees_memory``'s policy, cannot do without, as bare calls around the same step: the
-    floors of their costs.
+    weighs most: a training step of 0.5 ms on one CPU thread (its rows calibrated to that
+    on the machine), bare and under ``memory_scope()`` (as a decorator and as a ``with``
+    block), ``frees_memory`` (cleanup ``"auto"``) and ``oom_retry`` (nothing runs out of
+    memory); a forward of 0.5 ms under ``inference_mode`` against ``torch.no_grad()``; the
+    reads a scope cannot do without, as bare calls around the same step (the floor of its
+    cost); and ``frees_memory``'s readings taken at both ends of every call, as bare calls
+    (what reading on a share of the time saves).
 
     Measured as 1d is (:func:`_paired`): each guard against the bare step in a process of
     its own, short rounds (5 calls) in adjacent pairs, which goes first alternating; the
@@ -408,10 +427,11 @@ def small_steps(quick: bool) -> list[Result]:
                        f"{runs} processes' medians of {pairs} paired ratios ("
                        + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
     ratios, peer_ms = _paired(SMALL_STEP, "frees_reads_alone", "step", runs, pairs)
-    rows.append(Result("1f frees_memory's reads alone, 0.5 ms step",
+    rows.append(Result("1f both ends of every call read, 0.5 ms step",
                        statistics.median(ratios) * peer_ms, peer_ms, "ms", "bare step", "-",
-                       None, "the floor of frees_memory's cost: the resident set "
-                       "(/proc/self/statm) and mallinfo2 before and after, as bare calls "
+                       None, "what frees_memory's readings would cost read at both ends of "
+                       "every call (it reads on a share of the time instead): the resident "
+                       "set (/proc/self/statm) and mallinfo2 before and after, as bare calls "
                        f"around the step; median of {runs} processes' medians of {pairs} "
                        "paired ratios (" + ", ".join(f"{r:.3f}" for r in ratios) + ")"))
     return rows
