@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextvars import ContextVar
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from ._checks import flag, positive_int
@@ -136,7 +136,6 @@ class _FreesMemory:
         self.last = 0.0  # perf_counter() after the last reading
         self.due = 0.0  # seconds after it at which the next is due: 0, at once
         self.long = 0.0  # seconds from which a call's own run is read at its exit
-        self.cost = 0.0  # what a reading that did nothing took (a preempted one counts less)
         self.read_at = -1  # _collections[0] at the last reading
         self.recent: Readings = {}  # the last reading, where baseline was kept lower
         self.unread = 0  # calls that ended unread since it
@@ -199,15 +198,21 @@ class _Call:
             judged = shared.calls > shared.warmup
             if shared.calls % shared.every:
                 return
-            start = 0.0
+            cpu = 0.0
             if shared.paced:
-                start = perf_counter()
                 if self.entry is None:
-                    if start - shared.last < shared.due and start - self.start < shared.long:
+                    now = perf_counter()
+                    if now - shared.last < shared.due and now - self.start < shared.long:
                         shared.unread += 1
                         return
-                    # read at the exit alone: of the kind a check reads now
-                    self.pairs, self.kind = resolve_devices(None), host.quick_kind()
+                    # read at the exit alone: of the baseline's kind, its one reference
+                    # (a switch to the resident set on a slow heap waits for an entry)
+                    self.pairs = resolve_devices(None)
+                    self.kind = shared.baseline_kind if shared.baseline else host.quick_kind()
+                # the reading's cost in this thread's CPU time: waiting for the interpreter
+                # lock or the CPU, which a busy thread beside it makes milliseconds, is not
+                # the reading's, and would space the readings out 250 times that
+                cpu = thread_time()
             try:
                 baseline = shared.baseline if shared.baseline_kind == self.kind else {}
                 collected = False  # in full, finding no garbage, just before ``after``
@@ -231,12 +236,9 @@ class _Call:
                     if shared.paced:  # a cleanup that acted: read the next call at once
                         shared.last, shared.read_at = perf_counter(), _collections[0]
                         if outcome.idle:
-                            took = shared.last - start
-                            # a reading preempted midway takes ms: it may double the cost
-                            shared.cost = took if not shared.cost else min(took,
-                                                                          2 * shared.cost)
-                            shared.due = min(shared.cost / CHECK_SHARE, MAX_GAP)
-                            shared.long = min(shared.cost / CALL_SHARE, MAX_GAP)
+                            took = thread_time() - cpu
+                            shared.due = min(took / CHECK_SHARE, MAX_GAP)
+                            shared.long = min(took / CALL_SHARE, MAX_GAP)
                         else:
                             shared.due = shared.long = 0.0
             except Exception:

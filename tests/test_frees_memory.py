@@ -406,6 +406,28 @@ def test_what_the_last_of_a_burst_of_short_calls_leaves_is_freed_at_its_exit(mon
     assert host.malloc_in_use() - start < 8 * MiB
 
 
+def test_a_call_read_at_its_exit_alone_compares_in_the_kind_of_its_reference(monkeypatch):
+    """The quick reading switched to the resident set (a slow heap) since the last one: a call
+    read at its exit alone still reads what malloc hands out, its reference's kind, and
+    frees the 64 MiB it left in a cycle."""
+    monkeypatch.setattr(frees, "CHECK_SHARE", 1e-9)
+    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)  # no reading due by time: only by its run
+
+    @memguard.frees_memory
+    def step(mib):
+        if mib:
+            record = {"inputs": torch.ones(mib * MiB // 4)}
+            record["self"] = record
+
+    monkeypatch.setattr(host, "_quick_rss_until", 0.0)  # mallinfo2 read: "in use"
+    step(0)
+    step(0)
+    start = host.malloc_in_use()
+    host._quick_rss_until = time.monotonic() + 3600  # the resident set from now on
+    step(64)
+    assert host.malloc_in_use() - start < 8 * MiB
+
+
 def test_memory_kept_a_little_at_a_time_costs_no_full_collections():
     """Each call's result is kept (no garbage): growth of less than the tolerance a call,
     over several unread calls, is looked for in the young generations only."""
