@@ -385,17 +385,25 @@ def test_cycles_of_less_than_the_tolerance_a_call_do_not_pile_up(monkeypatch, op
     assert host.malloc_in_use() - start < 20 * MiB  # bare: 60 MiB
 
 
-def test_what_the_last_of_a_burst_of_short_calls_leaves_is_freed_at_its_exit(monkeypatch):
-    """The calls before it were too short to be read; this one ran long enough to allocate
-    more than the tolerance, so it is read at its own exit: no later call is needed."""
+def read_only_by_their_run(monkeypatch):
+    """A function whose calls leave ``mib`` MiB in a cycle, with no reading ever due by time:
+    only a call that runs long enough is read (at its exit)."""
     monkeypatch.setattr(frees, "CHECK_SHARE", 1e-9)
-    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)  # no reading due by time: only by its run
+    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)
 
     @memguard.frees_memory
     def step(mib):
         if mib:
             record = {"inputs": torch.ones(mib * MiB // 4)}
             record["self"] = record
+
+    return step
+
+
+def test_what_the_last_of_a_burst_of_short_calls_leaves_is_freed_at_its_exit(monkeypatch):
+    """The calls before it were too short to be read; this one ran long enough to allocate
+    more than the tolerance, so it is read at its own exit: no later call is needed."""
+    step = read_only_by_their_run(monkeypatch)
 
     for _ in range(3):
         step(0)
@@ -410,14 +418,7 @@ def test_a_call_read_at_its_exit_alone_compares_in_the_kind_of_its_reference(mon
     """The quick reading switched to the resident set (a slow heap) since the last one: a call
     read at its exit alone still reads what malloc hands out, its reference's kind, and
     frees the 64 MiB it left in a cycle."""
-    monkeypatch.setattr(frees, "CHECK_SHARE", 1e-9)
-    monkeypatch.setattr(frees, "MAX_GAP", 3600.0)  # no reading due by time: only by its run
-
-    @memguard.frees_memory
-    def step(mib):
-        if mib:
-            record = {"inputs": torch.ones(mib * MiB // 4)}
-            record["self"] = record
+    step = read_only_by_their_run(monkeypatch)
 
     monkeypatch.setattr(host, "_quick_rss_until", 0.0)  # mallinfo2 read: "in use"
     step(0)
