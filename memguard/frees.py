@@ -233,13 +233,13 @@ class _Call:
                     # never collected. After a cleanup, what it could not free is in use.
                     level = _held_lower(after, reference) if outcome.idle else after
                     shared.recent = after
-                    if shared.paced:  # a cleanup that acted: read the next call at once
+                    if shared.paced:
                         shared.last, shared.read_at = perf_counter(), _collections[0]
                         if outcome.idle:
                             took = thread_time() - cpu
                             shared.due = min(took / CHECK_SHARE, MAX_GAP)
                             shared.long = min(took / CALL_SHARE, MAX_GAP)
-                        else:
+                        else:  # a cleanup that acted: read the next call at once
                             shared.due = shared.long = 0.0
             except Exception:
                 if exc_type is None:
