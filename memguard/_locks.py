@@ -17,40 +17,44 @@ class ForkSafeLock:
     """A ``threading.Lock`` (``threading.RLock`` with ``reentrant=True``) that a child
     process created by ``os.fork()`` finds unlocked.
 
+    Where a Python call counts (a guard's every call), code acquires it as ``__enter__``
+    does, inline (``lock.inner.acquire(False) or lock.acquire_held(True, -1)``) and then
+    releases ``lock.inner``, read after acquiring (a child re-creates it).
+
     >>> lock = ForkSafeLock()
     >>> with lock:
     ...     lock.acquire(blocking=False)
     False
     """
 
-    __slots__ = ("_lock", "_factory", "__weakref__")
+    __slots__ = ("inner", "_factory", "__weakref__")
 
     def __init__(self, reentrant: bool = False) -> None:
         self._factory = threading.RLock if reentrant else threading.Lock
-        self._lock = self._factory()
+        self.inner = self._factory()
         _all.add(self)
 
     def __enter__(self) -> bool:
-        return self._lock.acquire(False) or self._held(True, -1)
+        return self.inner.acquire(False) or self.acquire_held(True, -1)
 
     def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
+        self.inner.release()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``threading.Lock.acquire``."""
-        return self._lock.acquire(False) or self._held(blocking, timeout)
+        return self.inner.acquire(False) or self.acquire_held(blocking, timeout)
 
-    def _held(self, blocking: bool, timeout: float) -> bool:
+    def acquire_held(self, blocking: bool, timeout: float) -> bool:
         """Acquire a lock found held: a child of a fork made in C (ctypes, an extension) ran no
         handler, and finds held what another thread of its parent held (the process id tells)."""
         if _made_by[0] != os.getpid():
             _recreate_in_child()
-            return self._lock.acquire(blocking, timeout)
-        return blocking and self._lock.acquire(True, timeout)
+            return self.inner.acquire(blocking, timeout)
+        return blocking and self.inner.acquire(True, timeout)
 
     def release(self) -> None:
         """As ``threading.Lock.release``."""
-        self._lock.release()
+        self.inner.release()
 
 
 _made_by = [os.getpid()]  # the process the locks were made in
@@ -59,7 +63,7 @@ _made_by = [os.getpid()]  # the process the locks were made in
 def _recreate_in_child() -> None:
     _made_by[0] = os.getpid()
     for lock in list(_all):
-        lock._lock = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
+        lock.inner = lock._factory()  # noqa: SLF001 - the module's own locks, re-created in the child
 
 
 if hasattr(os, "register_at_fork"):

@@ -298,7 +298,8 @@ def _growth(now: Readings, entry: Readings, field: LevelField, device: str) -> i
     return 0 if a is None or b is None else a - b
 
 
-def _beyond(pairs: Pairs, now: Readings, entry: Readings) -> tuple[list[str], list[Backend]]:
+def beyond_tolerance(pairs: Pairs, now: Readings, entry: Readings
+                     ) -> tuple[list[str], list[Backend]]:
     """The devices whose ``allocated`` grew past their backend's ``hold_tolerance`` since
     ``entry`` (memory held: a collection is due), and the backends, each once, with a device
     whose ``reserved`` grew past its ``reserve_tolerance`` (a cache swollen); in one pass, as
@@ -464,15 +465,16 @@ class Settler:
         self._cache_last = False
 
     def settle(self, pairs: Pairs, entry: Readings, kind: str = "in use",
-               recent: Optional[Readings] = None) -> Outcome:
+               recent: Optional[Readings] = None, now: Optional[Readings] = None) -> Outcome:
         """Clean up after a block that began with ``entry`` readings (of ``kind``, see
         :func:`read_all`); ``recent``: a later reading than ``entry`` where there is one
         (``frees_memory``'s last, where its reference is a lower level kept from before):
         memory held over ``entry`` but within the tolerance of ``recent`` crept up a little
         at a time, and is collected for in the young generations only (where a cycle a
         recent call made is; memory merely in use would cost full collections that free
-        nothing)."""
-        now = read_all(pairs, kind)
+        nothing). ``now``: the block's readings (of ``kind``) where the caller took them."""
+        if now is None:
+            now = read_all(pairs, kind)
         if self.cleanup == "always":
             fulls = full_collections()
             with interrupts_after():  # finalisers run: Ctrl-C in one is raised afterwards
@@ -481,13 +483,13 @@ class Settler:
             after = read_all(pairs, kind)
             return Outcome(released(now, after), True, after,
                            full=full_collections() != fulls)
-        held, swollen = _beyond(pairs, now, entry)
+        held, swollen = beyond_tolerance(pairs, now, entry)
         collect = bool(held) and self._gc_ready()
         if not collect and not swollen:
             self._cache_last = False
             return Outcome(0, False, now, idle=True)
         with interrupts_after():  # only where it acts: holding Ctrl-C costs ~10 us
-            full = recent is None or bool(_beyond(pairs, now, recent)[0])
+            full = recent is None or bool(beyond_tolerance(pairs, now, recent)[0])
             return self._act(pairs, entry, kind, now, held if collect else [], full)
 
     def _act(self, pairs: Pairs, entry: Readings, kind: str, now: Readings,
@@ -521,11 +523,11 @@ class Settler:
     # -- pieces ------------------------------------------------------------------------------
     @staticmethod
     def _held(pairs: Pairs, now: Readings, entry: Readings) -> list[str]:
-        return _beyond(pairs, now, entry)[0]
+        return beyond_tolerance(pairs, now, entry)[0]
 
     @staticmethod
     def _swollen(pairs: Pairs, now: Readings, entry: Readings) -> list[Backend]:
-        return _beyond(pairs, now, entry)[1]
+        return beyond_tolerance(pairs, now, entry)[1]
 
     def _gc_ready(self) -> bool:
         return not self.adaptive or self._gc.ready()

@@ -20,12 +20,14 @@ from ._events import LISTENERS, emit
 from ._locks import ForkSafeLock
 from ._units import Size, format_bytes, parse_optional_size
 from .backends import UNKNOWN, Backend, Devices, Reading, check_devices, resolve_devices
+from .backends.base import safely
 from .census import TensorInfo, created_since, live_tensors, tensor_ids
 from .cleanup import (
     Cleanup,
     Pairs,
     Readings,
     Settler,
+    beyond_tolerance,
     cleanup_mode,
     collect_until_clean,
     interrupts_after,
@@ -51,57 +53,51 @@ class _PeakBook:
               counters: Optional[dict[str, Optional[int]]] = None) -> None:
         """Open ``token``'s running peaks; ``counters`` (where given) receives each device's
         peak counter as read before its reset."""
-        self._visit(token, pairs, counters, True)
+        self.visit(token, pairs, counters, True)
 
     def exit(self, token: int, pairs: Pairs,
              counters: Optional[dict[str, Optional[int]]] = None) -> dict[str, Optional[int]]:
         """Close ``token``'s running peaks: each device's peak over the scope; ``counters``
         (where given) receives each device's peak counter as read."""
-        return self._visit(token, pairs, counters, False)
+        return self.visit(token, pairs, counters, False)
 
-    def _visit(self, token: int, pairs: Pairs, counters: Optional[dict[str, Optional[int]]],
-               opening: bool) -> dict[str, Optional[int]]:
+    def visit(self, token: int, pairs: Pairs, counters: Optional[dict[str, Optional[int]]],
+              opening: bool) -> dict[str, Optional[int]]:
         """:meth:`enter` (``opening``) or :meth:`exit`, each device's counter read once."""
         peaks: dict[str, Optional[int]] = {}
         # no collection while locked: a finaliser it runs could open a scope in this thread
         # and wait for ever on the lock (no_collection(), inline: a scope's every call)
         collecting = gc.isenabled()
         gc.disable()
+        lock = self._lock
         try:
-            with self._lock:
+            # acquired as its __enter__ does, without the two Python calls of with
+            lock.inner.acquire(False) or lock.acquire_held(True, -1)
+            try:
                 for backend, device in pairs:
                     if opening:
                         running = self._open.setdefault(device, {})
+                        counter, start = backend.swap_peak(device)
+                        if counter is not None:
+                            for other, older in running.items():
+                                running[other] = max(older, counter)
+                        running[token] = -1 if start is None else start
                     else:
                         running = self._open.get(device, {})
                         value = running.pop(token, -1)
                         if not running:
                             self._open.pop(device, None)
-                    counter = _safe(backend.read_peak, device)
-                    if counters is not None:
-                        counters[device] = counter
-                    if not opening:
+                        counter = safely(backend.read_peak, device)
                         best = max(value, -1 if counter is None else counter)
                         peaks[device] = None if best < 0 else best
-                        continue
-                    if counter is not None:
-                        for other, older in running.items():
-                            running[other] = max(older, counter)
-                    _safe(backend.reset_peak, device)
-                    start = _safe(backend.peak_after_reset, device)
-                    running[token] = -1 if start is None else start
+                    if counters is not None:
+                        counters[device] = counter
+            finally:
+                lock.inner.release()
         finally:
             if collecting:
                 gc.enable()
         return peaks
-
-
-def _safe(method: Callable[[str], Any], device: str) -> Any:
-    try:
-        return method(device)
-    except Exception as exc:  # noqa: BLE001 - a reading must never break the program
-        log.warning("%s(%s) failed: %s", method.__name__, device, exc)
-        return None
 
 
 #: The settler of each ``cleanup`` mode a scope applies (``None``: only measure). Shared: a
@@ -280,14 +276,14 @@ class MemoryScope:
             self._tensors_before = tensor_ids()
         when = time.time()
         counters: dict[str, Optional[int]] = {}
-        peak_book.enter(id(self), self._pairs, counters)
+        peak_book.visit(id(self), self._pairs, counters, True)  # enter(), without its call
         if LISTENERS:
             emit(f"enter {self._title()}")
         # what the block keeps is measured from here, after the scope's own entry work; the
         # snapshot on entry is this reading and the peak counters the book read before its
         # reset (any other read costs microseconds a small step feels)
         self._entry = read_all(self._pairs)
-        self._took("before", self._entry, counters, when)
+        self._taken["before"] = (self._entry, counters, when)  # _took(), inline
         self._start = time.perf_counter()
         return self
 
@@ -301,7 +297,8 @@ class MemoryScope:
             log.exception("measuring %s failed while the block raised", self._title())
             return
         try:
-            self._judge(exc_type)
+            if self.max_leak is not None:
+                self._judge(exc_type)
         finally:
             self._tensors_before = {}
 
@@ -325,20 +322,21 @@ class MemoryScope:
         if LISTENERS:
             emit(f"exit {self._title()}")
         counters: dict[str, Optional[int]] = {}
-        self.peak = peak_book.exit(id(self), self._pairs, counters)
+        self.peak = peak_book.visit(id(self), self._pairs, counters, False)  # exit()
         entry = self._entry
         # a mode set on the attribute since is checked as the constructor checks it
         settler = _SETTLERS[self.cleanup] if self.cleanup in _SETTLERS else settler_for(
             cleanup_mode(self.cleanup, "memory_scope"))
         when = time.time()
         collected = False  # in full, finding no garbage, just before ``after``
-        if settler is None:
-            self._took("after", read_all(self._pairs), counters, when)
-        else:
-            outcome = settler.settle(self._pairs, entry)
-            collected = outcome.full
-            self.freed = outcome.freed
-            self._took("after", outcome.after, counters, when)
+        now = read_all(self._pairs)
+        # the settler only where it acts ("always", or memory held or a cache swollen)
+        if settler is not None and (settler.cleanup == "always"
+                                    or any(beyond_tolerance(self._pairs, now, entry))):
+            outcome = settler.settle(self._pairs, entry, now=now)
+            collected, self.freed, now = outcome.full, outcome.freed, outcome.after
+        self._taken["after"] = (now, counters, when)  # _took(), inline
+        self._snapshots.pop("after", None)
         self._measure(entry)
         census: Optional[list[TensorInfo]] = None
         if self.max_leak is not None and any(n > self.max_leak for n in self.retained.values()):
@@ -362,7 +360,8 @@ class MemoryScope:
         elif self.track_tensors:
             self.leaks = created_since(self._tensors_before, live_tensors())
             self._tensors_before = {}
-        log.debug("%s", self)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", self)
 
     def _created(self) -> list[TensorInfo]:
         """The tensors created in the block and still alive (the census a verdict under a
@@ -399,17 +398,27 @@ class MemoryScope:
 
     def _measure(self, entry: Readings) -> None:
         readings = self._taken["after"][0]
+        peak = self.peak
         for backend, device in self._pairs:
             before, after = entry[device], readings.get(device, UNKNOWN)
-            kept = growth(in_use(backend, before), in_use(backend, after))
-            self.retained[device] = 0 if kept is None else max(0, kept)
-            self.reserved_growth[device] = growth(before.reserved, after.reserved)
+            # in_use() and growth(), inline: a scope's every exit
+            start = before.reserved if before.allocated is None else before.allocated
+            end = after.reserved if after.allocated is None else after.allocated
+            self.retained[device] = 0 if start is None or end is None else max(0, end - start)
+            self.reserved_growth[device] = None if before.reserved is None \
+                or after.reserved is None else after.reserved - before.reserved
             # a peak is at least every level the scope read (the kernel's own mark, reset to
             # an approximate sum of the resident set, can be some 100 kB under it)
-            levels = [v for v in (self.peak.get(device), backend.level(before),
-                                  backend.level(after)) if v is not None]
-            if levels and (self.peak.get(device) is not None or len(levels) == 2):
-                self.peak[device] = max(levels)
+            field = backend.level_field
+            high, low, now = peak.get(device), getattr(before, field), getattr(after, field)
+            if high is not None:
+                if low is not None and low > high:
+                    high = low
+                if now is not None and now > high:
+                    high = now
+                peak[device] = high
+            elif low is not None and now is not None:
+                peak[device] = max(low, now)
 
     # -- decorator -----------------------------------------------------------------------------
     def __call__(self, func: F) -> F:

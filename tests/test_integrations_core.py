@@ -17,9 +17,9 @@ def settles(monkeypatch):
     calls = []
     real = memguard.cleanup.Settler.settle
 
-    def settle(self, pairs, entry, *args):
+    def settle(self, pairs, entry, *args, **kwargs):
         calls.append(self)
-        return real(self, pairs, entry, *args)
+        return real(self, pairs, entry, *args, **kwargs)
 
     monkeypatch.setattr(memguard.cleanup.Settler, "settle", settle)
     return calls

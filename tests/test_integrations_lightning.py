@@ -157,9 +157,9 @@ def test_on_exception_closes_the_epoch_without_cleanup_inside_lightnings_except(
     settled = []
     real = memguard.cleanup.Settler.settle
 
-    def settle(self, pairs, entry, *args):
+    def settle(self, pairs, entry, *args, **kwargs):
         settled.append(self)
-        return real(self, pairs, entry, *args)
+        return real(self, pairs, entry, *args, **kwargs)
 
     class Fails(tiny_class()):
         def training_step(self, batch, index):

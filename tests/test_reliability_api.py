@@ -131,6 +131,31 @@ class _Broken(Backend):
         raise OSError("no cache here")
 
 
+def test_a_peak_counter_that_cannot_be_read_is_still_reset(caplog):
+    """A scope's entry reads a device's peak counter, resets it and reads it again
+    (``Backend.swap_peak``): a read that fails is logged, and the reset still runs, so the
+    scope's peak is not the counter's from before it."""
+    from memguard.scope import peak_book
+
+    class Unreadable(_Broken):
+        resets = 0
+
+        def reset_peak(self, device: str) -> bool:
+            self.resets += 1
+            return True
+
+    backend, counters = Unreadable(), {}
+    with caplog.at_level(logging.WARNING, logger="memguard"):
+        peak_book.enter(1, [(backend, "dev:0")], counters)
+        peaks = peak_book.exit(1, [(backend, "dev:0")], counters)
+    assert backend.resets == 1
+    assert counters == {"dev:0": None} and peaks == {"dev:0": None}
+    assert [r.getMessage() for r in caplog.records] == [
+        "read_peak(dev:0) failed: the driver went away",
+        "peak_after_reset(dev:0) failed: the driver went away",
+        "read_peak(dev:0) failed: the driver went away"]
+
+
 def test_log_messages_do_not_repeat_the_logger_name(caplog):
     with caplog.at_level(logging.WARNING, logger="memguard"):
         assert read_all([(_Broken(), "dev:0")]) == {"dev:0": (None, None)}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 from typing import Any, Callable, Literal, NamedTuple, Optional
 
 from .._units import format_bytes
+
+log = logging.getLogger("memguard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +221,28 @@ class Backend(abc.ABC):
         """The peak counter just after :meth:`reset_peak` (:meth:`read_peak` by default)."""
         return self.read_peak(device)
 
+    def swap_peak(self, device: str) -> tuple[Optional[int], Optional[int]]:
+        """:meth:`read_peak`, :meth:`reset_peak`, then :meth:`peak_after_reset`: the counter
+        before the reset and after it (``None`` for any read that failed or is unknown; each
+        step's failure is logged and the next still runs). A scope's entry; a backend
+        overrides it where it can do the three in fewer calls."""
+        before = safely(self.read_peak, device)
+        safely(self.reset_peak, device)
+        return before, safely(self.peak_after_reset, device)
+
     @abc.abstractmethod
     def empty_cache(self) -> None:
         """Hand the allocator's unused cache back to the system (or driver)."""
+
+
+def safely(method: Callable[[str], Any], device: str) -> Any:
+    """``method(device)``, or ``None`` (logged) where it raises: a reading must never break
+    the program."""
+    try:
+        return method(device)
+    except Exception as exc:  # noqa: BLE001 - a reading must never break the program
+        log.warning("%s(%s) failed: %s", method.__name__, device, exc)
+        return None
 
 
 def subclasses(*roots: type, excluding: frozenset[str] = frozenset()) -> set[type]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -196,10 +197,12 @@ def _is_statm(text: bytes) -> bool:
     >>> _is_statm(b"1000 200 100 4 0 500 0\n"), _is_statm(b"1000 2000 300 4 0 500 0\n")
     (True, False)
     """
-    fields = text.split()
-    return (len(fields) == 7 and text.endswith(b"\n") and fields[4] == b"0"
-            and fields[6] == b"0" and fields[0].isdigit() and fields[1].isdigit()
-            and int(fields[1]) <= int(fields[0]))
+    found = _statm_fields(text)
+    return found is not None and int(found[2]) <= int(found[1])
+
+
+# statm's size and resident set, where the text has its form (see _is_statm): one C call
+_statm_fields = re.compile(rb"(\d+) (\d+) \d+ \d+ 0 \d+ 0\n").fullmatch
 
 
 def _is_status(text: bytes) -> bool:
@@ -273,7 +276,16 @@ class HostBackend(Backend):
         """The resident set size of this process, in bytes."""
         if self._linux:
             written = self._written
-            rss = int(self._statm.read().split()[1]) * self._page
+            file, found = self._statm.file, None
+            if file.fd is not None and file.pid == os.getpid() and get_ident() == _MAIN[0]:
+                try:  # _ProcFile.read's first try, inline: every guard's every reading
+                    found = _statm_fields(os.pread(file.fd, _ProcFile.SIZE, 0))
+                except OSError:
+                    pass
+            if found is not None and int(found[2]) <= int(found[1]):
+                rss = int(found[2]) * self._page
+            else:
+                rss = int(self._statm.read().split()[1]) * self._page
             if self._unchecked is not None:
                 self._check_usage(written, rss)
         else:
@@ -382,13 +394,23 @@ class HostBackend(Backend):
             self._quick_rss_until = time.monotonic() + MALLINFO_PAUSE
 
     def read_fast_as(self, kind: str, device: str = HOST) -> Reading:
+        rss = self.rss()
         if kind == "resident":
-            rss = self.rss()
-            return Reading(rss, rss)
+            return _reading(Reading, (rss, rss))
+        # _read_fast and _judge_mallinfo inlined: every guard's reading, next to the step
+        mallinfo2 = _glibc.get("mallinfo2") if "loaded" in _glibc else _libc().get("mallinfo2")
+        if mallinfo2 is None:
+            return _reading(Reading, (rss, rss))
         start = time.perf_counter()
-        reading = self._read_fast()
-        self._judge_mallinfo(start)
-        return reading
+        info = mallinfo2()
+        if time.perf_counter() - start > SLOW_MALLINFO:
+            self._judge_mallinfo(start)
+        else:
+            self._slow_mallinfo = 0
+        used = info.uordblks + info.hblkhd - _TAKEN[0]
+        if "tensorflow" in sys.modules:
+            used += cpu_pool_in_use()
+        return _reading(Reading, (used, rss))
 
     def read_quick(self, device: str = HOST,
                    kind: Optional[str] = None) -> tuple[str, Optional[int]]:
@@ -415,14 +437,15 @@ class HostBackend(Backend):
         usage, done, pid = unchecked
         if done != written or pid != os.getpid():
             return  # read before that reset was written, or in another process
-        if not self._lock.acquire(blocking=False):
+        lock = self._lock
+        if not (lock.inner.acquire(False) or lock.acquire_held(False, -1)):  # acquire(), inline
             return  # a reset is under way: a later read checks its own
         try:
             if self._unchecked is unchecked:  # decided for the reset it was read after
                 self._unchecked = None
                 self._usage_exact, self._usage_pid = usage <= rss + USAGE_SLACK, pid
         finally:
-            self._lock.release()
+            lock.inner.release()
 
     def _usage_peak(self) -> Optional[int]:
         """The kernel's high-water mark from ``getrusage`` (~1 us; reading
@@ -482,6 +505,33 @@ class HostBackend(Backend):
             # stands in only if /proc/self/status lacks VmHWM
             self._sampled_peak = 0 if self._clear_refs_ok else self.rss()
         return bool(self._clear_refs_ok)
+
+    def swap_peak(self, device: str = HOST) -> tuple[Optional[int], Optional[int]]:
+        """:meth:`read_peak`, :meth:`reset_peak` and :meth:`peak_after_reset` under one hold
+        of the lock, where getrusage is known to give this process's own mark (every scope's
+        entry after the first: two getrusage and a write, next to the step); the three calls
+        otherwise."""
+        pid, lock = os.getpid(), self._lock
+        lock.inner.acquire(False) or lock.acquire_held(True, -1)  # as with, without its two calls
+        try:
+            fast = self._clear_refs_ok is True and self._usage_exact and self._usage_pid == pid
+            if fast:
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                self._resets += 1
+                self._usage_exact, self._unchecked = False, None
+                try:
+                    os.write(self._clear_refs.get(), b"5")
+                except OSError:
+                    self._clear_refs_ok = False
+                    self._sampled_peak = self.rss()
+                    return before, self._sampled_peak
+                self._written += 1
+                self._unchecked = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                                   self._written, pid)
+                self._sampled_peak = 0
+        finally:
+            lock.inner.release()
+        return (before, None) if fast else super().swap_peak(device)
 
     def peak_after_reset(self, device: str = HOST) -> Optional[int]:
         """Where the kernel keeps the high-water mark, ``None``: it starts from the resident

@@ -42,10 +42,13 @@ class TorchBackend(Backend):
     def _initialised_types(self, torch: Any = None) -> list[str]:
         torch = torch or _torch()
         kinds = []
-        if torch.cuda.is_initialized():  # pragma: gpu
-            kinds.append("cuda")
+        # is_initialized() only where the module's own flag, which torch sets once and never
+        # clears, does not already say no: a call saved on each guard's call without a GPU
+        if getattr(torch.cuda, "_initialized", True) and torch.cuda.is_initialized():
+            kinds.append("cuda")  # pragma: gpu
         xpu = getattr(torch, "xpu", None)
-        if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():  # pragma: gpu
+        if xpu is not None and getattr(xpu, "_initialized", True) \
+                and getattr(xpu, "is_initialized", lambda: False)():  # pragma: gpu
             kinds.append("xpu")
         if _MPS[0] is None:  # a machine's MPS is there or not for the whole run
             mps = getattr(getattr(torch, "backends", None), "mps", None)
@@ -58,7 +61,7 @@ class TorchBackend(Backend):
         known = self._known
         if known is not None and known[0] == os.getpid():  # pragma: gpu
             return list(known[1])
-        torch = _torch()
+        torch = sys.modules.get("torch") or _torch()  # imported: every guard's every call
         names = []
         for kind in self._initialised_types(torch):  # pragma: gpu
             if kind == "mps":
