@@ -175,6 +175,26 @@ def test_one_slow_mallinfo2_alone_keeps_the_cheaper_reading(python_in_subprocess
     assert out == dict(out, once="in use", twice="resident"), out
 
 
+def test_a_reading_that_waited_for_the_thread_is_not_a_slow_heap(python_in_subprocess):
+    # two readings made slow by waiting, not by the heap (a busy thread holding the
+    # interpreter lock, the process preempted), switched the quick reading to the resident
+    # set for 10 s, where each 8 MiB cycle then cost a full collection: 100 frees_memory
+    # calls took 10 s instead of 15-30 ms
+    out = python_in_subprocess("""
+        import json, time
+        from memguard.backends import host
+        host.read_quick()  # glibc's functions looked up
+        start = time.perf_counter()
+        host.read_quick()
+        quick = time.perf_counter() - start
+        for _ in range(3):  # each begun a second ago, as one the thread waited through
+            host._judge_mallinfo(time.perf_counter() - 1.0)
+        print(json.dumps({"quick": quick, "kind": host.quick_kind()}))
+    """)
+    assert out["quick"] < 100e-6, out  # precondition: mallinfo2 is quick on this heap
+    assert out["kind"] == "in use", out
+
+
 def test_without_torch_it_only_cleans_up(python_in_subprocess):
     out = python_in_subprocess("""
         import gc, json, sys

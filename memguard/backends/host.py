@@ -384,10 +384,21 @@ class HostBackend(Backend):
 
     def _judge_mallinfo(self, start: float) -> None:
         """Count a ``mallinfo2`` reading begun at ``start`` (``perf_counter``) towards
-        :meth:`quick_kind`'s pause."""
+        :meth:`quick_kind`'s pause. The slow reading that would begin the pause is timed
+        again at once: where that second reading is quick, the slow ones waited (the thread
+        preempted, or another holding the interpreter lock), and the heap is not slow (one
+        walk more a pause on a heap that is)."""
         if time.perf_counter() - start <= SLOW_MALLINFO:
             self._slow_mallinfo = 0
             return
+        mallinfo2 = _libc().get("mallinfo2")
+        if mallinfo2 is not None and self._slow_mallinfo + 1 >= SLOW_IN_A_ROW \
+                and time.monotonic() >= self._quick_rss_until:
+            again = time.perf_counter()
+            mallinfo2()
+            if time.perf_counter() - again <= SLOW_MALLINFO:
+                self._slow_mallinfo = 0
+                return
         self._slow_mallinfo += 1
         if self._slow_mallinfo >= SLOW_IN_A_ROW:
             self._slow_mallinfo = 0
