@@ -349,18 +349,8 @@ class HostBackend(Backend):
         return None if used is None else used + cpu_pool_in_use()
 
     def read_fast(self, device: str = HOST) -> Reading:
-        return self._read_fast()
-
-    def _read_fast(self) -> Reading:
-        """``(handed_out(), rss())`` in as few calls as can be: every guard reads it twice
-        a call, next to the step's work, where each Python call costs about a microsecond."""
-        rss = self.rss()
-        used = self.malloc_in_use()
-        if used is None:
-            return _reading(Reading, (rss, rss))
-        if "tensorflow" in sys.modules:  # handed_out(), without its call where TF is not in
-            used += cpu_pool_in_use()
-        return _reading(Reading, (used, rss))
+        """``(handed_out(), rss())``: :meth:`read_fast_as` ``"in use"``."""
+        return self.read_fast_as("in use")
 
     def read_in_use(self, device: str = HOST) -> Optional[int]:
         used = self.handed_out()
@@ -408,7 +398,7 @@ class HostBackend(Backend):
         rss = self.rss()
         if kind == "resident":
             return _reading(Reading, (rss, rss))
-        # _read_fast and _judge_mallinfo inlined: every guard's reading, next to the step
+        # handed_out() and the timing's verdict inline: every guard's reading, next to a step
         mallinfo2 = _glibc.get("mallinfo2") if "loaded" in _glibc else _libc().get("mallinfo2")
         if mallinfo2 is None:
             return _reading(Reading, (rss, rss))
