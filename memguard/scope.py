@@ -77,10 +77,16 @@ class _PeakBook:
                 for backend, device in pairs:
                     if opening:
                         running = self._open.setdefault(device, {})
-                        counter, start = backend.swap_peak(device)
-                        if counter is not None:
-                            for other, older in running.items():
-                                running[other] = max(older, counter)
+                        if running:  # the counter folded into the scopes open before the
+                            # reset: a Ctrl-C raised between the two must not lose their peaks
+                            counter = safely(backend.read_peak, device)
+                            if counter is not None:
+                                for other, older in running.items():
+                                    running[other] = max(older, counter)
+                            safely(backend.reset_peak, device)
+                            start = safely(backend.peak_after_reset, device)
+                        else:  # none open: read, reset and read again in one call
+                            counter, start = backend.swap_peak(device)
                         running[token] = -1 if start is None else start
                     else:
                         running = self._open.get(device, {})
@@ -266,7 +272,8 @@ class MemoryScope:
                                f"for each block (as a decorator it makes one per call)")
         self._pairs = resolve_devices(self.devices)
         self._active = True
-        if self._taken:  # entered again: the last block's results are not this one's
+        if self._taken or self._snapshots:  # entered again (a copy of a closed scope keeps
+            # only its snapshots): the last block's results are not this one's
             self._taken, self._snapshots, self.leaks = {}, {}, []
             self.peak, self.retained, self.reserved_growth = {}, {}, {}
             self.freed, self.elapsed = 0, None

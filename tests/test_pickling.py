@@ -88,6 +88,39 @@ def test_a_closed_scope_with_its_leaks_pickles_and_an_open_one_says_to_close_it(
     LEAKS.clear()
 
 
+def test_a_copy_of_a_closed_scope_entered_again_measures_its_own_block(python_in_subprocess):
+    # a copy keeps the snapshots and figures of the block it measured: entered again, it
+    # reported that block's entry snapshot and the 16 MiB its cleanup had freed (in a process
+    # of its own: the cycle mapped, freed and unmapped as on a fresh heap)
+    out = python_in_subprocess("""
+        import copy, gc, json, pickle
+        import memguard
+
+        class Cycle:
+            def __init__(self):
+                self.block, self.me = bytearray(16 << 20), self
+
+        gc.disable()  # the cycle is the scope's cleanup's to free
+        scope = memguard.memory_scope()
+        with scope:
+            Cycle()
+        twins = []
+        for twin in (copy.deepcopy(scope), pickle.loads(pickle.dumps(scope))):
+            grown = bytearray(64 << 20)
+            grown[::4096] = b"x" * len(grown[::4096])  # resident before the copy's entry
+            with twin:
+                pass
+            twins.append({"freed": twin.freed, "entry": twin.before["host"].reserved})
+            del grown
+        print(json.dumps({"freed": scope.freed, "entry": scope.before["host"].reserved,
+                          "twins": twins}))
+    """)
+    assert out["freed"] >= 8 << 20, out  # precondition: its cleanup freed the cycle
+    for twin in out["twins"]:
+        assert twin["freed"] == 0, out
+        assert twin["entry"] >= out["entry"] + (48 << 20), out
+
+
 def test_monitor_samples_and_tensor_infos_pickle():
     with memguard.MemoryMonitor(interval=0.01) as monitor:
         monitor.mark("start")

@@ -224,8 +224,9 @@ class Backend(abc.ABC):
     def swap_peak(self, device: str) -> tuple[Optional[int], Optional[int]]:
         """:meth:`read_peak`, :meth:`reset_peak`, then :meth:`peak_after_reset`: the counter
         before the reset and after it (``None`` for any read that failed or is unknown; each
-        step's failure is logged and the next still runs). A scope's entry; a backend
-        overrides it where it can do the three in fewer calls."""
+        step's failure is logged and the next still runs). The entry of a scope with no other
+        open on the device; a backend overrides it where it can do the three in fewer
+        calls."""
         before = safely(self.read_peak, device)
         safely(self.reset_peak, device)
         return before, safely(self.peak_after_reset, device)
