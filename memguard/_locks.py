@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 _all: "weakref.WeakSet[ForkSafeLock]" = weakref.WeakSet()
 
@@ -17,9 +17,11 @@ class ForkSafeLock:
     """A ``threading.Lock`` (``threading.RLock`` with ``reentrant=True``) that a child
     process created by ``os.fork()`` finds unlocked.
 
-    Where a Python call counts (a guard's every call), code acquires it as ``__enter__``
-    does, inline (``lock.inner.acquire(False) or lock.acquire_held(True, -1)``) and then
-    releases ``lock.inner``, read after acquiring (a child re-creates it).
+    ``with lock:`` cannot leave it held on a Ctrl-C (a guard's every call, which a program
+    may interrupt and go on from): ``__enter__`` hands ``with`` the ``threading`` lock's own
+    acquire, which runs no Python code between taking the lock and the block that releases
+    it. An ``__enter__`` written in Python could raise from a signal handler as its acquire
+    returned, and leave the lock held for ever.
 
     >>> lock = ForkSafeLock()
     >>> with lock:
@@ -31,20 +33,31 @@ class ForkSafeLock:
 
     def __init__(self, reentrant: bool = False) -> None:
         self._factory = threading.RLock if reentrant else threading.Lock
-        self.inner = self._factory()
+        self.inner: Any = self._factory()  # a Lock, or an RLock (which has no locked())
         _all.add(self)
 
-    def __enter__(self) -> bool:
-        return self.inner.acquire(False) or self.acquire_held(True, -1)
+    @property
+    def __enter__(self) -> Callable[[], bool]:
+        """The acquire ``with`` calls: the ``threading`` lock's own, made anew first where it
+        is found held in a child of a fork made in C (a re-entrant one is checked always:
+        it cannot tell whether it is held)."""
+        inner = self.inner
+        if (self._factory is not threading.Lock or inner.locked()) \
+                and _made_by[0] != os.getpid():
+            _recreate_in_child()
+            inner = self.inner
+        return inner.__enter__
 
-    def __exit__(self, *exc: Any) -> None:
-        self.inner.release()
+    @property
+    def __exit__(self) -> Callable[..., Any]:
+        """The release ``with`` calls: the ``threading`` lock's own."""
+        return self.inner.__exit__
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``threading.Lock.acquire``."""
-        return self.inner.acquire(False) or self.acquire_held(blocking, timeout)
+        return self.inner.acquire(False) or self._held(blocking, timeout)
 
-    def acquire_held(self, blocking: bool, timeout: float) -> bool:
+    def _held(self, blocking: bool, timeout: float) -> bool:
         """Acquire a lock found held: a child of a fork made in C (ctypes, an extension) ran no
         handler, and finds held what another thread of its parent held (the process id tells)."""
         if _made_by[0] != os.getpid():

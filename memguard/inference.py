@@ -128,9 +128,9 @@ class _Watch:
 
     def check(self, entry: Optional[Levels]) -> None:
         """Check after a block (entered with ``entry`` readings or none); see the class."""
-        if not self.lock.acquire(blocking=False):
+        if self.lock.locked():
             return  # another thread's block is being checked
-        try:
+        with self.lock:  # a with, unlike a try-acquire, that no Ctrl-C leaves held
             start = time.perf_counter()
             pairs = _devices()
             now = _levels(pairs, self.level)
@@ -149,8 +149,6 @@ class _Watch:
                     else _lower(was, reading) or reading
             moved = [(b, d) for b, d in pairs if b.quick_kind(d) != self.level[d][0]]
             self.level.update(_levels(moved))  # the quick reading changed kind: a new level
-        finally:
-            self.lock.release()
 
     def _collect(self, pairs: Pairs, held: Pairs, reference: dict[str, Optional[Level]]
                  ) -> Levels:

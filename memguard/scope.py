@@ -68,12 +68,9 @@ class _PeakBook:
         # no collection while locked: a finaliser it runs could open a scope in this thread
         # and wait for ever on the lock (no_collection(), inline: a scope's every call)
         collecting = gc.isenabled()
-        gc.disable()
-        lock = self._lock
         try:
-            # acquired as its __enter__ does, without the two Python calls of with
-            lock.inner.acquire(False) or lock.acquire_held(True, -1)
-            try:
+            gc.disable()
+            with self._lock:
                 for backend, device in pairs:
                     if opening:
                         running = self._open.setdefault(device, {})
@@ -98,8 +95,6 @@ class _PeakBook:
                         peaks[device] = None if best < 0 else best
                     if counters is not None:
                         counters[device] = counter
-            finally:
-                lock.inner.release()
         finally:
             if collecting:
                 gc.enable()

@@ -447,7 +447,7 @@ def vm_hwm():
 # a thread's check of one reset's getrusage reading, held just before it decides, while
 # another thread resets: the decision must not land on that later reset
 source, first = inspect.getsourcelines(type(host)._check_usage)
-line = first + next(i for i, text in enumerate(source) if "lock.inner.acquire" in text)
+line = first + next(i for i, text in enumerate(source) if "inner.locked()" in text)
 held, go, done = threading.Event(), threading.Event(), threading.Event()
 
 def hold(frame, event, arg):

@@ -168,6 +168,38 @@ def test_ctrl_c_at_an_inner_scopes_reset_keeps_the_outer_peak(python_in_subproce
     assert out["rise"] >= 60 << 20, out
 
 
+def test_ctrl_c_anywhere_in_a_scopes_entry_or_exit_leaves_no_lock_held(python_in_subprocess):
+    # a KeyboardInterrupt raised as a lock's acquire returned, before the block that
+    # releases it began, left it held: the next scope waited for ever (20 of 20 processes,
+    # after 1 to 117 interrupted rounds of a program that catches Ctrl-C and goes on)
+    out = python_in_subprocess("""
+        import faulthandler, json, random, signal, sys
+        import memguard
+        faulthandler.dump_traceback_later(20, exit=True)  # a hang fails, with its stack
+        random.seed(0)
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+        interrupted = 0
+        for _ in range(300):
+            try:
+                signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0001, 0.001))
+                while True:
+                    with memguard.memory_scope(cleanup="never"):
+                        pass
+            except KeyboardInterrupt:
+                interrupted += 1
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        with memguard.memory_scope() as scope:
+            block = bytearray(32 << 20)
+            block[::4096] = b"x" * len(block[::4096])
+        print(json.dumps({"interrupted": interrupted,
+                          "rise": scope.peak["host"] - scope.before["host"].reserved}))
+    """, timeout=120)
+    assert out["interrupted"] == 300, out
+    assert out["rise"] >= 30 << 20, out  # the scopes after them still measure
+
+
 def test_peak_after_the_inner_scope_counts_for_the_outer_one():
     with memguard.memory_scope() as outer:
         with memguard.memory_scope():

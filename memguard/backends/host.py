@@ -438,15 +438,13 @@ class HostBackend(Backend):
         usage, done, pid = unchecked
         if done != written or pid != os.getpid():
             return  # read before that reset was written, or in another process
-        lock = self._lock
-        if not (lock.inner.acquire(False) or lock.acquire_held(False, -1)):  # acquire(), inline
-            return  # a reset is under way: a later read checks its own
-        try:
+        if self._lock.inner.locked():
+            return  # a reset is under way (or this thread's, under a handler): a later read
+            # checks its own (a with, unlike a try-acquire, that no Ctrl-C leaves held)
+        with self._lock:
             if self._unchecked is unchecked:  # decided for the reset it was read after
                 self._unchecked = None
                 self._usage_exact, self._usage_pid = usage <= rss + USAGE_SLACK, pid
-        finally:
-            lock.inner.release()
 
     def _usage_peak(self) -> Optional[int]:
         """The kernel's high-water mark from ``getrusage`` (~1 us; reading
@@ -512,9 +510,8 @@ class HostBackend(Backend):
         of the lock, where getrusage is known to give this process's own mark (every scope's
         entry after the first: two getrusage and a write, next to the step); the three calls
         otherwise."""
-        pid, lock = os.getpid(), self._lock
-        lock.inner.acquire(False) or lock.acquire_held(True, -1)  # as with, without its two calls
-        try:
+        pid = os.getpid()
+        with self._lock:
             fast = self._clear_refs_ok is True and self._usage_exact and self._usage_pid == pid
             if fast:
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -530,8 +527,6 @@ class HostBackend(Backend):
                 self._unchecked = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                    self._written, pid)
                 self._sampled_peak = 0
-        finally:
-            lock.inner.release()
         return (before, None) if fast else super().swap_peak(device)
 
     def peak_after_reset(self, device: str = HOST) -> Optional[int]:

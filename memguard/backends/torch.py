@@ -248,9 +248,7 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
     modules = module_tree(models)
     token: list[Any] = []
     state = (None, token)
-    lock = _INSIDE_LOCK  # taken as with takes it, without its two Python calls a block
-    lock.inner.acquire(False) or lock.acquire_held(True, -1)
-    try:
+    with _INSIDE_LOCK:
         training = any(map(_flag, modules))
         if not training and not _INSIDE:
             _QUIET[id(token)] = (get_ident(), modules)
@@ -276,8 +274,6 @@ def enter_inference(models: tuple[Any, ...]) -> Optional[InferenceState]:
                 except BaseException:
                     _restore(state)
                     raise
-    finally:
-        lock.inner.release()
     context = guard(True)
     state = (context, token)
     try:
@@ -312,12 +308,8 @@ def _restore(state: InferenceState) -> None:
     """Leave the block for each module; the last block to leave one restores its flag (a quiet
     block's modules were all in eval mode: one its code switched on goes back, unless another
     block on it is still inside)."""
-    lock = _INSIDE_LOCK  # taken as with takes it, without its two Python calls a block
-    lock.inner.acquire(False) or lock.acquire_held(True, -1)
-    try:
+    with _INSIDE_LOCK:
         _end(id(state[1]))
-    finally:
-        lock.inner.release()
 
 
 def _end(key: int) -> None:
